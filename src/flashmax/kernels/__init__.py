@@ -1,0 +1,1 @@
+"""Triton kernels. Importing this package requires Triton."""

@@ -1,0 +1,109 @@
+"""Exact pure-torch sparsemax: the CPU path, and the fallback on any device without Triton.
+
+Every function here works on the last dimension of a tensor already in its compute dtype
+(float32 or float64); `flashmax.sparsemax` moves `dim` there with a view, not a copy.
+
+The threshold tau solves sum(max(z - tau, 0)) = 1 for z = x - max(x), with tau in [-1, 0). The
+forward pass finds a lower bound on tau cheaply, packs the few entries above it into a narrow
+matrix and runs the Michelot/Newton iteration there: the full row is never sorted and is passed
+over a fixed number of times.
+"""
+
+import torch
+
+
+def bad_rows(row_max: torch.Tensor) -> torch.Tensor:
+    """Rows whose result is NaN: a NaN or +inf entry, or every entry -inf (max is -inf)."""
+    return ~torch.isfinite(row_max)
+
+
+def newton_threshold(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """Exact tau of each row of z (z <= 0, -inf padding allowed), from a lower bound tau.
+
+    Newton on the convex piecewise-linear f(t) = sum(max(z - t, 0)) - 1 rises monotonically; a
+    step is final when every entry of the support it used stays above the new tau.
+    """
+    done = torch.zeros_like(tau, dtype=torch.bool)
+    while not bool(done.all()):
+        support = z > tau.unsqueeze(-1)
+        total = torch.where(support, z, 0).sum(-1)
+        count = support.sum(-1, dtype=torch.int32)
+        smallest = torch.where(support, z, torch.inf).amin(-1)
+        new_tau = (total - 1) / count
+        tau = torch.where(done, tau, new_tau)
+        done = done | (smallest > new_tau)
+    return tau
+
+
+GROUP = 8
+
+
+def _groups(z: torch.Tensor) -> torch.Tensor:
+    """View the rows of z as (rows, groups, GROUP), padding the last group with -inf if needed."""
+    short = -z.shape[-1] % GROUP
+    if short:
+        z = torch.nn.functional.pad(z, (0, short), value=-torch.inf)
+    return z.view(z.shape[0], -1, GROUP)
+
+
+def _pack_groups(groups: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The kept groups of each row, packed left into a (rows, (widest + 1) * GROUP) matrix.
+
+    The padding is -inf, and at least one padding group per row keeps every row non-empty.
+    """
+    rows, index = keep.nonzero(as_tuple=True)
+    counts = torch.bincount(rows, minlength=groups.shape[0])
+    width = int(counts.amax()) if rows.numel() else 0
+    position = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[rows]
+    packed = groups.new_full((groups.shape[0], width + 1, GROUP), -torch.inf)
+    packed[rows, position] = groups[rows, index]
+    return packed.view(groups.shape[0], -1)
+
+
+def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
+    """Sparsemax over the last dim of x (float32/float64, at least one feature); contiguous.
+
+    A lower bound on tau comes from the row's group maxima: the tau of any subset of a row is
+    <= the row's tau, and the maxima of groups of GROUP entries hold nearly all of the large
+    entries at 1/GROUP of the size. Only groups whose maximum exceeds the bound can hold support,
+    so Newton finishes exactly on those few groups.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    row_max = rows.amax(-1, keepdim=True)
+    bad = bad_rows(row_max)
+    any_bad = bool(bad.any())
+    z = rows - row_max
+    if any_bad:
+        z.masked_fill_(bad, -torch.inf)
+    groups = _groups(z)
+    maxima = groups.amax(-1)
+    lower = newton_threshold(maxima, z.new_full(maxima.shape[:1], -1.0)).clamp_min(-1.0)
+    tau = newton_threshold(_pack_groups(groups, maxima > lower.unsqueeze(-1)), lower)
+    y = z.sub_(tau.unsqueeze(-1)).clamp_min_(0)
+    if any_bad:
+        y.masked_fill_(bad, torch.nan)
+    return y.view(x.shape)
+
+
+def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """dx = s * (g - mean of g over the support s = (y > 0)), over the last dim."""
+    support = y > 0
+    g = torch.where(support, grad, 0)
+    mean = g.sum(-1, keepdim=True) / support.sum(-1, keepdim=True)
+    return torch.where(support, grad - mean, 0)
+
+
+def sparsemax_sort(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The classic sort + cumsum sparsemax (Martins & Astudillo, 2016): the peers' baseline.
+
+    Sort descending, cumsum, k = max{j : 1 + j z_j > cumsum_j}, tau = (cumsum_k - 1) / k.
+    """
+    z = x - x.amax(dim, keepdim=True)
+    z_sorted = z.sort(dim, descending=True).values
+    cumsum = z_sorted.cumsum(dim)
+    shape = [1] * x.dim()
+    shape[dim] = x.shape[dim]
+    j = torch.arange(1, x.shape[dim] + 1, device=x.device, dtype=x.dtype).view(shape)
+    k = (1 + j * z_sorted > cumsum).sum(dim, keepdim=True)
+    tau = (cumsum.gather(dim, k - 1) - 1) / k
+    return (z - tau).clamp_min(0)

@@ -1,0 +1,111 @@
+"""Sparsemax as PyTorch custom ops: validation, device dispatch, autograd, public API.
+
+CUDA tensors run the Triton kernels in `flashmax.kernels.sparsemax`; every other tensor (or any
+tensor when Triton is missing) runs the exact pure-torch path in `flashmax.reference`.
+Results are always contiguous tensors of the input's shape, so fake and real layouts agree.
+"""
+
+import torch
+from torch import nn
+
+from . import reference
+
+try:
+    from .kernels import sparsemax as kernels
+except ImportError:  # Triton is optional: the reference path covers every device.
+    kernels = None
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 are computed in fp32 and rounded once; fp32 and fp64 in themselves."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def uses_kernels(x: torch.Tensor) -> bool:
+    return kernels is not None and x.is_cuda
+
+
+def check_input(x: torch.Tensor, dim: int, name: str = "sparsemax") -> int:
+    """Validate x and dim; return dim as a non-negative index."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    ndim = max(x.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(
+            f"{name}: dim {dim} is out of range for a tensor of {x.dim()} dimensions "
+            f"(expected in [{-ndim}, {ndim - 1}])"
+        )
+    return dim % ndim
+
+
+@torch.library.custom_op("flashmax::sparsemax", mutates_args=())
+def _sparsemax_op(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if uses_kernels(x):
+        return kernels.sparsemax_forward(x, dim)
+    if not x.numel():
+        return x.new_empty(x.shape)
+    y_rows = reference.sparsemax_forward(x.movedim(dim, -1).to(compute_dtype(x.dtype)))
+    return y_rows.to(x.dtype).movedim(-1, dim).contiguous()
+
+
+@_sparsemax_op.register_fake
+def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("flashmax::sparsemax_backward", mutates_args=())
+def _sparsemax_backward_op(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+    if uses_kernels(y):
+        return kernels.sparsemax_backward(y, grad, dim)
+    if not y.numel():
+        return y.new_empty(y.shape)
+    ctype = compute_dtype(y.dtype)
+    y_rows, g_rows = (t.movedim(dim, -1).to(ctype) for t in (y, grad))
+    dx_rows = reference.sparsemax_backward(y_rows, g_rows)
+    return dx_rows.to(y.dtype).movedim(-1, dim).contiguous()
+
+
+@_sparsemax_backward_op.register_fake
+def _(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+    return y.new_empty(y.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.dim = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return _sparsemax_backward_op(y, grad, ctx.dim), None
+
+
+_sparsemax_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sparsemax of x along dim: the Euclidean projection of each slice onto the simplex.
+
+    y = max(x - tau, 0) with tau chosen so that each slice sums to 1. Same signature as
+    `entmax.sparsemax(X, dim=-1)`. See the README for the full contract (dtypes, -inf, NaN).
+    """
+    dim = check_input(x, dim)
+    if x.dim() == 0:
+        return _sparsemax_op(x.reshape(1), 0).reshape(())
+    return _sparsemax_op(x, dim)
+
+
+class Sparsemax(nn.Module):
+    """Module form of `flashmax.sparsemax`."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sparsemax(x, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
