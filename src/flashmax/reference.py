@@ -17,22 +17,29 @@ def bad_rows(row_max: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(row_max)
 
 
-def newton_threshold(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """Exact tau of each row of z (z <= 0, -inf padding allowed), from a lower bound tau.
+def newton_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact threshold of each row of z (z <= 0, -inf padding allowed) from a lower bound tau.
 
     Newton on the convex piecewise-linear f(t) = sum(max(z - t, 0)) - 1 rises monotonically; a
-    step is final when every entry of the support it used stays above the new tau.
+    step is final when every entry of the support it used stays above the new tau. Returns
+    (pivot, step) with tau = pivot + step: (z - pivot) - step rounds each output relative to
+    itself, where z - (pivot + step) would round tau first.
     """
+    pivot, step = tau, torch.zeros_like(tau)
     done = torch.zeros_like(tau, dtype=torch.bool)
     while not bool(done.all()):
-        support = z > tau.unsqueeze(-1)
-        total = torch.where(support, z, 0).sum(-1)
+        tau = pivot + step
+        # Summing z - tau rather than z keeps the terms small: no cancellation at small scales.
+        d = z - tau.unsqueeze(-1)
+        support = d > 0
+        total = d.clamp_min(0).sum(-1)
         count = support.sum(-1, dtype=torch.int32)
-        smallest = torch.where(support, z, torch.inf).amin(-1)
-        new_tau = (total - 1) / count
-        tau = torch.where(done, tau, new_tau)
-        done = done | (smallest > new_tau)
-    return tau
+        smallest = torch.where(support, d, torch.inf).amin(-1)
+        new_step = (total - 1) / count
+        pivot = torch.where(done, pivot, tau)
+        step = torch.where(done, step, new_step)
+        done = done | (smallest > new_step)
+    return pivot, step
 
 
 GROUP = 8
@@ -77,9 +84,9 @@ def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
         z.masked_fill_(bad, -torch.inf)
     groups = _groups(z)
     maxima = groups.amax(-1)
-    lower = newton_threshold(maxima, z.new_full(maxima.shape[:1], -1.0)).clamp_min(-1.0)
-    tau = newton_threshold(_pack_groups(groups, maxima > lower.unsqueeze(-1)), lower)
-    y = z.sub_(tau.unsqueeze(-1)).clamp_min_(0)
+    lower = sum(newton_threshold(maxima, z.new_full(maxima.shape[:1], -1.0))).clamp_min(-1.0)
+    pivot, step = newton_threshold(_pack_groups(groups, maxima > lower.unsqueeze(-1)), lower)
+    y = z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
     if any_bad:
         y.masked_fill_(bad, torch.nan)
     return y.view(x.shape)

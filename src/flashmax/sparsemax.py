@@ -21,8 +21,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def uses_kernels(x: torch.Tensor) -> bool:
-    return kernels is not None and x.is_cuda
+def uses_kernels(x: torch.Tensor, dim: int) -> bool:
+    """CUDA tensors whose rows fit one program run the Triton kernels."""
+    return kernels is not None and x.is_cuda and kernels.fits(x.shape[dim], x.dtype)
 
 
 def check_input(x: torch.Tensor, dim: int, name: str = "sparsemax") -> int:
@@ -42,7 +43,7 @@ def check_input(x: torch.Tensor, dim: int, name: str = "sparsemax") -> int:
 
 @torch.library.custom_op("flashmax::sparsemax", mutates_args=())
 def _sparsemax_op(x: torch.Tensor, dim: int) -> torch.Tensor:
-    if uses_kernels(x):
+    if uses_kernels(x, dim):
         return kernels.sparsemax_forward(x, dim)
     if not x.numel():
         return x.new_empty(x.shape)
@@ -57,7 +58,7 @@ def _(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 @torch.library.custom_op("flashmax::sparsemax_backward", mutates_args=())
 def _sparsemax_backward_op(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
-    if uses_kernels(y):
+    if uses_kernels(y, dim):
         return kernels.sparsemax_backward(y, grad, dim)
     if not y.numel():
         return y.new_empty(y.shape)

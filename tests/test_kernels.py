@@ -1,0 +1,185 @@
+"""The Triton kernels against the fp64 oracle: under TRITON_INTERPRET=1 on the CPU (small shapes),
+or compiled on a GPU with FLASHMAX_TEST_DEVICE=cuda (larger shapes, and through the public op)."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from flashmax import reference  # noqa: E402
+from flashmax.kernels import sparsemax as kernels  # noqa: E402
+from oracle import assert_close_to_oracle, oracle  # noqa: E402
+
+DEVICE = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu")
+ON_GPU = DEVICE == "cuda"
+# Interpreter programs run one after another in Python: keep the CPU shapes small.
+ROWS = 64 if ON_GPU else 6
+WIDTHS = [1, 3, 8, 100, 1000, 4096, 32768] if ON_GPU else [1, 3, 8, 100, 1000, 4096]
+POISON = 12345.0
+
+
+def make(dist: str, rows: int, n: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dist == "randn":
+        x = torch.randn(rows, n, generator=g, dtype=torch.float64)
+    elif dist == "rand":  # every entry within 1 of the max: many Newton steps
+        x = torch.rand(rows, n, generator=g, dtype=torch.float64)
+    elif dist == "tiny":
+        x = torch.randn(rows, n, generator=g, dtype=torch.float64) * 1e-3
+    elif dist == "huge":
+        x = torch.randn(rows, n, generator=g, dtype=torch.float64) * 1e3
+    elif dist == "offset":
+        x = torch.randn(rows, n, generator=g, dtype=torch.float64) + 1e4
+    elif dist == "ties":
+        x = torch.randint(0, 4, (rows, n), generator=g).double() / 4 + 0.5
+    elif dist == "masked":
+        x = torch.randn(rows, n, generator=g, dtype=torch.float64)
+        x[torch.rand(rows, n, generator=g) < 0.5] = -torch.inf
+        x[:, 0] = 1.0  # keep every row finite somewhere
+    else:
+        raise ValueError(dist)
+    return x.to(dtype).to(DEVICE)
+
+
+def forward(x: torch.Tensor, dim: int = -1, **config) -> torch.Tensor:
+    out = torch.full(x.shape, POISON, dtype=x.dtype, device=x.device)
+    y = kernels.sparsemax_forward(x, dim % x.dim(), out=out, **config)
+    assert y is out
+    assert not (y == POISON).any(), "some outputs were never written"
+    return y
+
+
+DISTS = ["randn", "rand", "tiny", "huge", "offset", "ties", "masked"]
+
+
+@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize("dist", DISTS)
+def test_forward_fp32_matches_oracle(dist, n):
+    x = make(dist, ROWS, n, seed=n)
+    x_before = x.clone()
+    y = forward(x)
+    assert torch.equal(x, x_before)
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+    assert torch.allclose(y.double().sum(-1), torch.ones(ROWS, dtype=torch.float64,
+                                                          device=x.device), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_forward_half_is_fp32_rounded_once(dtype):
+    x = make("randn", ROWS, 1000, dtype, seed=1)
+    want = oracle(x.float().cpu()).to(dtype)
+    got = forward(x).cpu()
+    ulp = torch.finfo(dtype).eps
+    assert torch.allclose(got.float(), want.float(), rtol=ulp, atol=ulp * 1e-3)
+
+
+def test_forward_fp64():
+    x = make("randn", ROWS, 1000, torch.float64, seed=2)
+    assert_close_to_oracle(forward(x).cpu(), x.cpu(), -1, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"group": 1, "group2": 1}, {"group": 8, "group2": 1}, {"group": 4, "group2": 4},
+     {"block_m": 4}, {"num_warps": 1}],
+    ids=["no-groups", "one-level", "small-groups", "four-rows", "one-warp"],
+)
+@pytest.mark.parametrize("dist", ["randn", "rand"])
+def test_every_launch_path_is_exact(config, dist):
+    x = make(dist, 2 * ROWS + 1, 1000, seed=3)  # row count not a multiple of BLOCK_M
+    assert_close_to_oracle(forward(x, **config).cpu(), x.cpu(), -1, rtol=1e-6)
+
+
+def test_short_rows_share_a_program():
+    x = make("randn", 3 * ROWS + 5, 16, seed=4)
+    assert kernels.launch_config(x.shape[0], 16, x.dtype)[0] > 1
+    assert_close_to_oracle(forward(x).cpu(), x.cpu(), -1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1])
+def test_every_dim_without_copy(dim):
+    x = make("randn", 4, 5 * 7, seed=5).reshape(4, 5, 7)
+    assert kernels.rows_view(x, dim % 3) is not None
+    assert_close_to_oracle(forward(x, dim).cpu(), x.cpu(), dim, rtol=1e-6)
+
+
+def test_strided_views():
+    base = make("randn", 2 * ROWS, 3 * 100, seed=6).reshape(2 * ROWS, 3, 100)
+    for view, dim in [
+        (base.transpose(0, 2), 0),  # features strided, rows contiguous
+        (base[::2, 1, :], 1),  # row stride 600, unit feature stride
+        (base[:, :, ::3], 2),  # feature stride 3
+        (base.permute(1, 0, 2)[:, ::2], 0),  # dims around dim that cannot merge: copied
+    ]:
+        assert_close_to_oracle(forward(view, dim).cpu(), view.cpu(), dim, rtol=1e-6)
+
+
+def test_bad_rows_are_nan_and_leave_others_alone():
+    x = make("randn", 6, 40, seed=7)
+    x[0, 3] = torch.nan
+    x[1, 5] = torch.inf
+    x[2] = -torch.inf
+    x[3, :30] = -torch.inf
+    y = forward(x)
+    assert torch.isnan(y[:3]).all()
+    assert not torch.isnan(y[3:]).any()
+    assert (y[3, :30] == 0).all()
+    assert_close_to_oracle(y[3:].cpu(), x[3:].cpu(), -1, rtol=1e-6)
+    assert torch.equal(y[4:], forward(x[4:].clone()))
+
+
+def test_deterministic():
+    x = make("rand", ROWS, 4096, seed=8)
+    assert torch.equal(forward(x), forward(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("n", [5, 1000])
+def test_backward_matches_formula(dtype, n):
+    x = make("randn", ROWS, n, dtype, seed=9)
+    y = forward(x)
+    g = make("randn", ROWS, n, dtype, seed=10)
+    out = torch.full(x.shape, POISON, dtype=dtype, device=x.device)
+    dx = kernels.sparsemax_backward(y, g, 1, out=out)
+    assert not (dx == POISON).any()
+    want = reference.sparsemax_backward(y.double(), g.double())
+    tol = 1e-12 if dtype == torch.float64 else torch.finfo(dtype).eps * 4
+    assert torch.allclose(dx.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_backward_strided_grad():
+    x = make("randn", 3 * 4, 50, seed=11).reshape(3, 4, 50).transpose(0, 2)  # dim 0
+    y = forward(x, 0)
+    g = make("randn", 50, 4 * 3, seed=12).reshape(50, 4, 3)
+    dx = kernels.sparsemax_backward(y, g, 0)
+    want = reference.sparsemax_backward(y.movedim(0, -1).double(), g.movedim(0, -1).double())
+    assert torch.allclose(dx.movedim(0, -1).double(), want, atol=1e-6)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the public op runs the kernels on CUDA tensors only")
+def test_public_op_uses_kernels_and_autograd():
+    import flashmax
+
+    x = make("randn", 512, 4096, seed=13).requires_grad_()
+    y = flashmax.sparsemax(x)
+    assert torch.equal(y, forward(x.detach()))
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    assert torch.allclose(dx, kernels.sparsemax_backward(y.detach(), g, 1))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture():
+    import flashmax
+
+    x = make("rand", 256, 8192, seed=14)
+    flashmax.sparsemax(x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = flashmax.sparsemax(x)
+    x.copy_(make("randn", 256, 8192, seed=15))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
