@@ -1,0 +1,133 @@
+"""Check and time sparsemax kernel variants on a GPU in one call; a short table last.
+
+    python benchmarks/kernel_variants.py [--quick]     (writes $OUT/variants.json when OUT is set)
+
+Each variant is checked against the fp64 oracle on the input it is timed on, with its output
+poisoned first. Times are GPU time from CUDA-graph replay over enough distinct inputs that
+every input is read cold from HBM (their total is several times the L2), median of replays,
+and are printed as a ratio to x.clone() of the same shape timed the same way.
+"""
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import triton
+
+from flashmax.kernels import sparsemax as kernels
+from flashmax.reference import sparsemax_sort
+
+L2_MULTIPLE_BYTES = 512 * 2**20  # inputs per replay total at least this: ~8x the H200's L2
+
+
+def make(dist, rows, n, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, n, device="cuda", generator=g)
+    if dist == "rand":
+        x = torch.rand(rows, n, device="cuda", generator=g)
+    elif dist == "randn0.01":
+        x = x * 0.01
+    return x.to(dtype)
+
+
+def gpu_time_us(fn, inputs, replays=15):
+    """Median, p20, p80 of GPU time per call, from replaying a graph of fn over all inputs."""
+    for x in inputs[:2]:
+        fn(x)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fn(x) for x in inputs]
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(inputs))
+    del outs, graph
+    times.sort()
+    return statistics.median(times), times[len(times) // 5], times[4 * len(times) // 5]
+
+
+def rel_error(y, x):
+    ref = sparsemax_sort(x.double())
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+FORWARD_VARIANTS = {
+    "default": {},
+    "narrow-sum": {"wide_sum": False},
+    "no-groups": {"group": 1, "group2": 1},
+    "one-level": {"group2": 1},
+    "warps4": {"num_warps": 4},
+    "warps8": {"num_warps": 8},
+    "warps16": {"num_warps": 16},
+    "warps32": {"num_warps": 32},
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tokens", type=int, default=2048)
+    args = parser.parse_args()
+    widths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    records = []
+    rows = args.tokens
+    for n in widths:
+        for dtype in (torch.float32, torch.bfloat16):
+            n_inputs = max(2, min(64, L2_MULTIPLE_BYTES // (rows * n * dtype.itemsize)))
+            for dist in ("randn", "rand", "randn0.01"):
+                inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
+                floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
+                variants = FORWARD_VARIANTS if dtype == torch.float32 else {"default": {}}
+                if dist != "randn" and dtype == torch.float32:
+                    variants = {k: v for k, v in variants.items() if not k.startswith("warps")}
+                for name, config in variants.items():
+                    def fwd(x, config=config):
+                        return kernels.sparsemax_forward(x, 1, **config)
+
+                    poisoned = torch.full_like(inputs[0], 7.0)
+                    y = kernels.sparsemax_forward(inputs[0], 1, out=poisoned, **config)
+                    err = rel_error(y, inputs[0])
+                    med, p20, p80 = gpu_time_us(fwd, inputs)
+                    records.append(dict(mode="forward", variant=name, n=n, rows=rows,
+                                        dtype=str(dtype)[6:], dist=dist, median_us=med,
+                                        p20_us=p20, p80_us=p80, floor_us=floor,
+                                        ratio=med / floor, rel_error=err))
+                if dist == "randn":
+                    ys = [kernels.sparsemax_forward(x, 1) for x in inputs]
+                    gs = [torch.randn_like(x) for x in inputs]
+                    pairs = list(zip(ys, gs))
+                    med, p20, p80 = gpu_time_us(lambda p: kernels.sparsemax_backward(p[0], p[1], 1),
+                                                pairs)
+                    records.append(dict(mode="backward", variant="default", n=n, rows=rows,
+                                        dtype=str(dtype)[6:], dist=dist, median_us=med,
+                                        p20_us=p20, p80_us=p80, floor_us=1.5 * floor,
+                                        ratio=med / (1.5 * floor), rel_error=None))
+                    del ys, gs, pairs
+                del inputs
+                torch.cuda.empty_cache()
+            print(f"done n={n} {dtype}", flush=True)
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "variants.json"), "w") as f:
+            json.dump(dict(meta=meta, records=records), f, indent=1)
+    print(meta)
+    print(f"{'mode':8} {'variant':11} {'n':>6} {'dtype':8} {'dist':9} {'us':>8} {'floor':>7} "
+          f"{'ratio':>6} {'relerr':>8}")
+    for r in records:
+        err = "" if r["rel_error"] is None else f"{r['rel_error']:.1e}"
+        print(f"{r['mode']:8} {r['variant']:11} {r['n']:6} {r['dtype']:8} {r['dist']:9} "
+              f"{r['median_us']:8.1f} {r['floor_us']:7.1f} {r['ratio']:6.2f} {err:>8}")
+
+
+if __name__ == "__main__":
+    main()
