@@ -82,9 +82,10 @@ def test_forward_fp64():
 
 @pytest.mark.parametrize(
     "config",
-    [{"group": 1, "group2": 1}, {"group": 8, "group2": 1}, {"group": 4, "group2": 4},
-     {"block_m": 4}, {"num_warps": 1}],
-    ids=["no-groups", "one-level", "small-groups", "four-rows", "one-warp"],
+    [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"block_m": 4},
+     {"num_warps": 1}, {"wide_sum": False, "num_warps": 2}],
+    ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
+         "narrow-sum"],
 )
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 def test_every_launch_path_is_exact(config, dist):
@@ -94,7 +95,7 @@ def test_every_launch_path_is_exact(config, dist):
 
 def test_short_rows_share_a_program():
     x = make("randn", 3 * ROWS + 5, 16, seed=4)
-    assert kernels.launch_config(x.shape[0], 16, x.dtype)[0] > 1
+    assert kernels.launch_config(x.shape[0], 16)[0] > 1
     assert_close_to_oracle(forward(x).cpu(), x.cpu(), -1, rtol=1e-6)
 
 

@@ -22,8 +22,8 @@ def newton_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, 
 
     Newton on the convex piecewise-linear f(t) = sum(max(z - t, 0)) - 1 rises monotonically; a
     step is final when every entry of the support it used stays above the new tau. Returns
-    (pivot, step) with tau = pivot + step: (z - pivot) - step rounds each output relative to
-    itself, where z - (pivot + step) would round tau first.
+    (pivot, step) with tau = pivot + step and |step| <= |tau|: (z - pivot) - step rounds
+    each output nearly relative to itself, where z - tau would round tau first.
     """
     pivot, step = tau, torch.zeros_like(tau)
     done = torch.zeros_like(tau, dtype=torch.bool)
@@ -38,7 +38,10 @@ def newton_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, 
         new_step = (total - 1) / count
         pivot = torch.where(done, pivot, tau)
         step = torch.where(done, step, new_step)
-        done = done | (smallest > new_step)
+        # Final once the support holds, and the step was small: a large step was computed
+        # from z - tau with tau far away, rounded to ~|tau| ulps, so refine it once more.
+        small = new_step.abs() <= (tau + new_step).abs()
+        done = done | ((smallest > new_step) & small)
     return pivot, step
 
 
