@@ -58,16 +58,55 @@ def rel_error(y, x):
     return float((y.double() - ref).norm() / ref.norm())
 
 
+DISTS = {torch.float32: ("randn", "rand", "randn0.01"), torch.bfloat16: ("randn", "rand")}
 FORWARD_VARIANTS = {
     "default": {},
     "narrow-sum": {"wide_sum": False},
-    "no-groups": {"group": 1, "group2": 1},
-    "one-level": {"group2": 1},
+    "no-groups": {"group": 1},
+    "warps1": {"num_warps": 1},
+    "warps2": {"num_warps": 2},
     "warps4": {"num_warps": 4},
     "warps8": {"num_warps": 8},
     "warps16": {"num_warps": 16},
-    "warps32": {"num_warps": 32},
 }
+
+
+def eager_us(fn, x, reps=50):
+    """Median wall time of fn(x) including host overhead (synchronised), microseconds."""
+    import time
+
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(x)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def end_to_end(records, rows):
+    """Eager forward + backward through autograd, host included, against torch.softmax."""
+    import flashmax
+
+    def train_step(op):
+        def step(x):
+            y = op(x)
+            torch.autograd.grad(y, x, y)
+        return step
+
+    for n in (1024, 32768):
+        x = torch.randn(rows, n, device="cuda", requires_grad=True)
+        ours = eager_us(train_step(flashmax.sparsemax), x)
+        softmax = eager_us(train_step(lambda t: torch.softmax(t, -1)), x)
+        fwd = eager_us(lambda t: flashmax.sparsemax(t.detach()), x)
+        launch = eager_us(lambda t: kernels.sparsemax_forward(t.detach(), 1), x)
+        records.append(dict(mode="end-to-end", variant="eager", n=n, rows=rows, dtype="float32",
+                            dist="randn", median_us=ours, p20_us=None, p80_us=None,
+                            floor_us=softmax, ratio=ours / softmax, rel_error=None,
+                            forward_op_us=fwd, forward_launch_us=launch))
 
 
 def main():
@@ -81,11 +120,11 @@ def main():
     for n in widths:
         for dtype in (torch.float32, torch.bfloat16):
             n_inputs = max(2, min(64, L2_MULTIPLE_BYTES // (rows * n * dtype.itemsize)))
-            for dist in ("randn", "rand", "randn0.01"):
+            for dist in DISTS[dtype]:
                 inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
                 floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
                 variants = FORWARD_VARIANTS if dtype == torch.float32 else {"default": {}}
-                if dist != "randn" and dtype == torch.float32:
+                if dist != "randn":
                     variants = {k: v for k, v in variants.items() if not k.startswith("warps")}
                 for name, config in variants.items():
                     def fwd(x, config=config):
@@ -113,6 +152,7 @@ def main():
                 del inputs
                 torch.cuda.empty_cache()
             print(f"done n={n} {dtype}", flush=True)
+    end_to_end(records, rows)
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__)
@@ -125,8 +165,10 @@ def main():
           f"{'ratio':>6} {'relerr':>8}")
     for r in records:
         err = "" if r["rel_error"] is None else f"{r['rel_error']:.1e}"
+        extra = (f" forward op {r['forward_op_us']:.1f} launch {r['forward_launch_us']:.1f}"
+                 if "forward_op_us" in r else "")
         print(f"{r['mode']:8} {r['variant']:11} {r['n']:6} {r['dtype']:8} {r['dist']:9} "
-              f"{r['median_us']:8.1f} {r['floor_us']:7.1f} {r['ratio']:6.2f} {err:>8}")
+              f"{r['median_us']:8.1f} {r['floor_us']:7.1f} {r['ratio']:6.2f} {err:>8}{extra}")
 
 
 if __name__ == "__main__":
