@@ -23,7 +23,7 @@ import triton.language as tl
 MAX_BLOCK_N = {torch.float64: 16384}
 DEFAULT_MAX_BLOCK_N = 32768
 ELEMENTS_PER_PROGRAM = 2048  # short rows are batched BLOCK_M at a time up to this many elements
-ELEMENTS_PER_THREAD = 64  # registers per thread for the row; more spills, fewer adds latency
+ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer add latency
 
 
 @triton.jit
@@ -75,12 +75,12 @@ def _nan_max(a, b):
 
 
 @triton.jit
-def _row_offsets(pid, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+def _row_offsets(block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                  BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
                  WIDE: tl.constexpr):
     """Offsets and mask of BLOCK_M rows of an [outer, n, inner] view, each as a [GROUP, WIDTH]
     tile of contiguous chunks: a [BLOCK_M, GROUP, WIDTH] block."""
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, GROUP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
     rows64 = rows.to(tl.int64)
     base = (rows64 // inner) * stride_outer + (rows64 % inner) * stride_inner
@@ -98,12 +98,28 @@ def sparsemax_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    WIDE: tl.constexpr, WIDE_SUM: tl.constexpr, STAGES: tl.constexpr,
+):
+    # With fewer programs than row blocks each program walks several, and with STAGES > 1 the
+    # compiler may prefetch the next block while this one iterates.
+    n_blocks = tl.cdiv(n_rows, BLOCK_M)
+    for block in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
+        _sparsemax_rows(X, Y, block, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                        x_stride_n, y_stride_outer, y_stride_inner, y_stride_n,
+                        BLOCK_M, BLOCK_N, GROUP, WIDE, WIDE_SUM)
+
+
+@triton.jit
+def _sparsemax_rows(
+    X, Y, block, n_rows, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
     WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
-    x_off, mask = _row_offsets(pid, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                               BLOCK_M, GROUP, WIDTH, WIDE)
+    x_off, mask = _row_offsets(block, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                               x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
     x = tl.load(X + x_off, mask=mask, other=-float("inf"))
     compute = tl.float64 if x.dtype == tl.float64 else tl.float32
     x = x.to(compute)
@@ -118,7 +134,7 @@ def sparsemax_forward_kernel(
     pivot, step = _newton_threshold(z, tau, WIDE_SUM)
     y = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
     y = tl.where(bad[:, None, None], float("nan"), y)
-    y_off, _ = _row_offsets(pid, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+    y_off, _ = _row_offsets(block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
                             BLOCK_M, GROUP, WIDTH, WIDE)
     tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
 
@@ -136,10 +152,10 @@ def sparsemax_backward_kernel(
     dx_stride_outer, dx_stride_inner, dx_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    y_off, mask = _row_offsets(pid, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+    block = tl.program_id(0)
+    y_off, mask = _row_offsets(block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
                                BLOCK_M, 1, BLOCK_N, WIDE)
-    g_off, _ = _row_offsets(pid, n_rows, n, inner, g_stride_outer, g_stride_inner, g_stride_n,
+    g_off, _ = _row_offsets(block, n_rows, n, inner, g_stride_outer, g_stride_inner, g_stride_n,
                             BLOCK_M, 1, BLOCK_N, WIDE)
     y = tl.load(Yp + y_off, mask=mask, other=0.0)
     g = tl.load(G + g_off, mask=mask, other=0.0)
@@ -148,7 +164,7 @@ def sparsemax_backward_kernel(
     support = y.to(compute) > 0
     total, count = tl.reduce((tl.where(support, g, 0.0), support.to(compute)), 2, _add_add)
     dx = tl.where(support, g - (total / count)[:, :, None], 0.0)
-    dx_off, _ = _row_offsets(pid, n_rows, n, inner, dx_stride_outer, dx_stride_inner,
+    dx_off, _ = _row_offsets(block, n_rows, n, inner, dx_stride_outer, dx_stride_inner,
                              dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
     tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
 
@@ -196,7 +212,10 @@ def launch_config(n_rows: int, n: int, num_warps=None, block_m=None):
     if block_m is None:
         block_m = max(1, min(triton.next_power_of_2(n_rows), ELEMENTS_PER_PROGRAM // block_n))
     if num_warps is None:
-        num_warps = min(16, max(1, block_m * block_n // (32 * ELEMENTS_PER_THREAD)))
+        elements = block_m * block_n
+        # Measured on an H200 (benchmarks/NOTES.md): 128 entries per thread, but two warps
+        # from 4096 entries on.
+        num_warps = min(16, max(1, elements // (32 * ELEMENTS_PER_THREAD), min(2, elements // 2048)))
     return block_m, block_n, num_warps
 
 
@@ -218,7 +237,7 @@ def _wide(n: int, *stride_ns: int) -> bool:
 
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, wide_sum=True) -> torch.Tensor:
+                      block_m=None, wide_sum=True, programs=None, stages=1) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     The other keyword arguments override the launch heuristics (for benchmarks and tests).
@@ -232,11 +251,13 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     n_rows = outer * inner
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     group = group_size(block_n, x.element_size(), num_warps, group)
-    grid = (triton.cdiv(n_rows, block_m),)
+    n_blocks = triton.cdiv(n_rows, block_m)
+    grid = (n_blocks if programs is None else min(n_blocks, programs),)
     sparsemax_forward_kernel[grid](
         x, y, n_rows, n, inner, *x_strides, *y_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
-        WIDE=_wide(n, x_strides[2], y_strides[2]), WIDE_SUM=wide_sum, num_warps=num_warps,
+        WIDE=_wide(n, x_strides[2], y_strides[2]), WIDE_SUM=wide_sum, STAGES=stages,
+        num_warps=num_warps,
     )
     return y
 
