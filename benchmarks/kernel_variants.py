@@ -59,13 +59,9 @@ def rel_error(y, x):
 
 
 DISTS = {torch.float32: ("randn", "rand", "randn0.01"), torch.bfloat16: ("randn", "rand")}
-SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 1
 FORWARD_VARIANTS = {
     "default": {},
     "narrow-sum": {"wide_sum": False},
-    "persist1-s2": {"programs": SMS, "stages": 2},
-    "persist2-s2": {"programs": 2 * SMS, "stages": 2},
-    "persist1-s1": {"programs": SMS, "stages": 1},
 }
 
 
@@ -122,8 +118,6 @@ def main():
                 inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
                 floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
                 variants = FORWARD_VARIANTS if dtype == torch.float32 else {"default": {}}
-                if dist != "randn":
-                    variants = {k: v for k, v in variants.items() if not k.startswith("persist")}
                 for name, config in variants.items():
                     def fwd(x, config=config):
                         return kernels.sparsemax_forward(x, 1, **config)

@@ -98,28 +98,12 @@ def sparsemax_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    WIDE: tl.constexpr, WIDE_SUM: tl.constexpr, STAGES: tl.constexpr,
-):
-    # With fewer programs than row blocks each program walks several, and with STAGES > 1 the
-    # compiler may prefetch the next block while this one iterates.
-    n_blocks = tl.cdiv(n_rows, BLOCK_M)
-    for block in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
-        _sparsemax_rows(X, Y, block, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                        x_stride_n, y_stride_outer, y_stride_inner, y_stride_n,
-                        BLOCK_M, BLOCK_N, GROUP, WIDE, WIDE_SUM)
-
-
-@triton.jit
-def _sparsemax_rows(
-    X, Y, block, n_rows, n, inner,
-    x_stride_outer, x_stride_inner, x_stride_n,
-    y_stride_outer, y_stride_inner, y_stride_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
     WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
 ):
+    block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
-    x_off, mask = _row_offsets(block, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                               x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+    x_off, mask = _row_offsets(block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+                               BLOCK_M, GROUP, WIDTH, WIDE)
     x = tl.load(X + x_off, mask=mask, other=-float("inf"))
     compute = tl.float64 if x.dtype == tl.float64 else tl.float32
     x = x.to(compute)
@@ -237,7 +221,7 @@ def _wide(n: int, *stride_ns: int) -> bool:
 
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, wide_sum=True, programs=None, stages=1) -> torch.Tensor:
+                      block_m=None, wide_sum=True) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     The other keyword arguments override the launch heuristics (for benchmarks and tests).
@@ -251,13 +235,11 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     n_rows = outer * inner
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     group = group_size(block_n, x.element_size(), num_warps, group)
-    n_blocks = triton.cdiv(n_rows, block_m)
-    grid = (n_blocks if programs is None else min(n_blocks, programs),)
+    grid = (triton.cdiv(n_rows, block_m),)
     sparsemax_forward_kernel[grid](
         x, y, n_rows, n, inner, *x_strides, *y_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
-        WIDE=_wide(n, x_strides[2], y_strides[2]), WIDE_SUM=wide_sum, STAGES=stages,
-        num_warps=num_warps,
+        WIDE=_wide(n, x_strides[2], y_strides[2]), WIDE_SUM=wide_sum, num_warps=num_warps,
     )
     return y
 
