@@ -1,0 +1,89 @@
+"""`flashmax bench`: parse the options, pick the device and workload, run, report."""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from . import files, report
+from .peers import NAMES
+from .runner import Settings, run_bench
+from .timing import Budget
+from .workloads import (CPU_FEATURES, CPU_TOKENS, DISTRIBUTIONS, DTYPES, GPU_FEATURES, GPU_QUICK_FEATURES,
+                        GPU_TOKENS, MODES)
+
+FULL_BUDGET = Budget(gpu_ms=100, cpu_runs=5)
+QUICK_BUDGET = Budget(gpu_ms=20, cpu_runs=3)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashmax", description="flashmax: exact sparsemax on GPUs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser(
+        "bench", help="time sparsemax implementations against a memory-copy floor",
+        description="Time sparsemax implementations side by side, each against the floor of a clone "
+                    "moving the same bytes; writes bench.json, bench.md and plots to --out.")
+    bench.add_argument("--dtype", dest="dtypes", nargs="+", choices=list(DTYPES), default=["fp32"],
+                       metavar="DTYPE", help=f"input dtypes: {', '.join(DTYPES)} (default: fp32)")
+    bench.add_argument("--features", nargs="+", type=positive_int,
+                       help=f"row lengths (default: {' '.join(map(str, GPU_FEATURES))} on a GPU, "
+                            f"{' '.join(map(str, CPU_FEATURES))} on a CPU)")
+    bench.add_argument("--tokens", type=positive_int,
+                       help=f"rows (default: {GPU_TOKENS} on a GPU, {CPU_TOKENS} on a CPU)")
+    bench.add_argument("--modes", nargs="+", choices=MODES, default=["forward", "backward"], metavar="MODE",
+                       help="forward, backward (the backward pass alone) or full (both); "
+                            "default: forward backward")
+    bench.add_argument("--dist", choices=list(DISTRIBUTIONS), default="randn",
+                       help="input values: randn (default), rand, randn0.01 and randn10 (randn scaled), "
+                            "ties (multiples of 1/8 in [0, 1))")
+    bench.add_argument("--impls", nargs="+", choices=NAMES, metavar="IMPL",
+                       help=f"implementations to run, of {', '.join(NAMES)} (default: all; "
+                            "torch-sort-compiled runs on a CPU only when named here)")
+    bench.add_argument("--out", type=Path, default=Path("bench-out"),
+                       help="output folder (default: ./bench-out)")
+    bench.add_argument("--quick", action="store_true", help="a run of about a minute: fewer features and runs")
+    bench.add_argument("--device", choices=["cuda", "cpu"],
+                       help="default: cuda when a GPU is present, else cpu")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Settings:
+    has_gpu = torch.cuda.is_available()
+    if args.device == "cuda" and not has_gpu:
+        parser.error("--device cuda: no CUDA GPU is available")
+    device = torch.device(args.device or ("cuda" if has_gpu else "cpu"))
+    if device.type == "cuda":
+        tokens, features = GPU_TOKENS, GPU_QUICK_FEATURES if args.quick else GPU_FEATURES
+    else:
+        tokens, features = CPU_TOKENS, CPU_FEATURES
+        print(f"{'No GPU found' if not has_gpu else 'On the CPU'}: timing the CPU implementations on a "
+              f"smaller workload ({args.tokens or tokens} tokens × {', '.join(map(str, args.features or features))})")
+    return Settings(
+        device=device,
+        tokens=args.tokens or tokens,
+        features=args.features or features,
+        dtypes=args.dtypes,
+        modes=args.modes,
+        dist=args.dist,
+        requested_impls=args.impls,
+        budget=QUICK_BUDGET if args.quick else FULL_BUDGET,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script `flashmax`; also the entry of `python -m flashmax.bench`."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args, parser)
+    result = run_bench(settings)
+    report.print_tables(result)
+    for path in files.write_all(result, args.out):
+        print(f"wrote {path}")
+    return 0

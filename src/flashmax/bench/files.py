@@ -1,0 +1,124 @@
+"""What the run leaves in the output folder: bench.json, bench.md and a plot per mode."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .report import fmt, header, not_run
+
+if TYPE_CHECKING:
+    from .runner import Record, Result
+
+
+def write_all(result: "Result", out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    return [write_json(result, out / "bench.json"), write_markdown(result, out / "bench.md"),
+            *write_plots(result, out)]
+
+
+def _finite_or_none(value):
+    # JSON has no NaN or infinity: a NaN error (a broken output) is written as null.
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def write_json(result: "Result", path: Path) -> Path:
+    records = [{key: _finite_or_none(value) for key, value in dataclasses.asdict(record).items()}
+               for record in result.records]
+    not_run_impls = [{"impl": impl.name, "impl_version": impl.version, "reason": impl.reason}
+                     for impl in result.impls if not impl.available]
+    path.write_text(json.dumps({"records": records, "not_run": not_run_impls}, indent=1) + "\n")
+    return path
+
+
+def cell(record: "Record | None") -> str:
+    """µs (×floor), GPU time where there is one, marked where inexact or the run failed."""
+    if record is None:
+        return ""
+    if record.error:
+        return "failed"
+    mark = " inexact" if record.inexact else ""
+    time_us, floor_us = _gpu_or_wall(record)
+    return f"{fmt(time_us)} (×{fmt(time_us / floor_us if time_us else None)}){mark}"
+
+
+def write_markdown(result: "Result", path: Path) -> Path:
+    settings = result.settings
+    impls = [impl.name for impl in result.impls if impl.available]
+    lines = ["# flashmax bench", "", header(result), "",
+             f"Inputs: {settings.tokens} tokens, `{settings.dist}`. Cells: median µs (× floor), on a GPU "
+             "the GPU time alone (CUDA-graph replay, L2 flushed before each run), elsewhere wall time; "
+             "the floor is `x.clone()` timed the same way, scaled to the tensors each mode moves "
+             "(forward 2, backward 3, full 5). *inexact*: relative error above 1e-4 (bf16/fp16: above "
+             "their eps) against a float64 oracle."]
+    for dtype in settings.dtypes:
+        for mode in settings.modes:
+            lines += ["", f"## {dtype} {mode}", "", "| features | floor µs | " + " | ".join(impls) + " |",
+                      "|---:|---:|" + "---:|" * len(impls)]
+            for features in settings.features:
+                group = {r.impl: r for r in result.records if (r.dtype, r.mode, r.features) == (dtype, mode, features)}
+                if group:
+                    first = next(iter(group.values()))
+                    floor_us = first.floor_graph_us or first.floor_us
+                    cells = [cell(group.get(name)) for name in impls]
+                    lines.append(f"| {features} | {fmt(floor_us)} | " + " | ".join(cells) + " |")
+    if not_run(result):
+        lines += ["", "Not run: " + "; ".join(not_run(result)) + "."]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_plots(result: "Result", out: Path) -> list[Path]:
+    """bench-MODE.png: time against features on log-log axes, one panel per dtype, floor dashed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+        return []
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    settings = result.settings
+    paths = []
+    for mode in settings.modes:
+        figure, axes = plt.subplots(1, len(settings.dtypes), figsize=(6 * len(settings.dtypes), 4.5),
+                                    squeeze=False)
+        for ax, dtype in zip(axes[0], settings.dtypes):
+            records = [r for r in result.records if (r.dtype, r.mode) == (dtype, mode)]
+            _plot_panel(ax, records)
+            ax.set_title(f"{dtype} {mode} · {settings.tokens} tokens · {settings.dist}")
+        figure.tight_layout()
+        path = out / f"bench-{mode}.png"
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+def _gpu_or_wall(record: "Record") -> tuple[float | None, float]:
+    """(time, floor): GPU time alone where it was measured, else wall time, as in the tables."""
+    if record.graph_ratio_to_floor is not None:
+        return record.graph_us, record.floor_graph_us
+    return record.median_us, record.floor_us
+
+
+def _plot_panel(ax, records: list["Record"]) -> None:
+    floors = {r.features: r for r in records}
+    features = sorted(floors)
+    ax.plot(features, [floors[f].floor_graph_us or floors[f].floor_us for f in features], "k--",
+            label="floor (clone)")
+    if any(floors[f].datasheet_floor_us for f in features):
+        ax.plot(features, [floors[f].datasheet_floor_us for f in features], "k:", label="datasheet floor")
+    for impl in dict.fromkeys(r.impl for r in records):
+        points = [(r.features, _gpu_or_wall(r)[0]) for r in records if r.impl == impl and _gpu_or_wall(r)[0]]
+        if points:
+            ax.plot(*zip(*points), "o-", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(features, [str(f) for f in features], minor=False)
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("features")
+    ax.set_ylabel("median time (µs)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")

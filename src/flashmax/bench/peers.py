@@ -1,0 +1,135 @@
+"""The implementations compared: flashmax, the PyTorch sort baseline and published peers.
+
+Every one is optional: a missing package or a missing GPU makes an `Impl` with a reason, never an
+error. Each runnable one is a function (x, dim) -> y that supports autograd.
+"""
+
+import functools
+import importlib.metadata
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import flashmax
+from flashmax.reference import sparsemax_sort
+
+SparsemaxFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    version: str
+    fn: SparsemaxFn | None
+    reason: str | None = None  # why it does not run here; None when it does
+
+    @property
+    def available(self) -> bool:
+        return self.fn is not None
+
+
+def _load_flashmax() -> SparsemaxFn:
+    return flashmax.sparsemax
+
+
+def _load_torch_sort() -> SparsemaxFn:
+    return sparsemax_sort
+
+
+def _load_torch_sort_compiled() -> SparsemaxFn:
+    return torch.compile(sparsemax_sort)
+
+
+def _load_entmax() -> SparsemaxFn:
+    from entmax import sparsemax
+
+    return lambda x, dim: sparsemax(x, dim=dim)
+
+
+def _load_entmax_bisect() -> SparsemaxFn:
+    from entmax import sparsemax_bisect
+
+    return lambda x, dim: sparsemax_bisect(x, dim=dim)
+
+
+def _load_liger() -> SparsemaxFn:
+    from liger_kernel.transformers import LigerSparsemax
+
+    # One module per dim, built once: building it inside the timed call would add host time.
+    module_for = functools.cache(LigerSparsemax)
+    return lambda x, dim: module_for(dim)(x)
+
+
+def _load_adasplash() -> SparsemaxFn:
+    from adasplash import triton_sparsemax
+
+    def adasplash_sparsemax(x: torch.Tensor, dim: int) -> torch.Tensor:
+        # triton_sparsemax works on the last dim of a contiguous tensor (a no-op for ours).
+        return triton_sparsemax(x.movedim(dim, -1).contiguous()).movedim(-1, dim)
+
+    return adasplash_sparsemax
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    package: str  # the distribution whose version is reported
+    load: Callable[[], SparsemaxFn]
+    min_version: str | None = None
+    needs_gpu: bool = False
+    slow_on_cpu: bool = False  # run on a CPU only when asked for by name
+
+
+PEERS = (
+    Peer("flashmax", "flashmax", _load_flashmax),
+    Peer("torch-sort", "torch", _load_torch_sort),
+    Peer("torch-sort-compiled", "torch", _load_torch_sort_compiled, slow_on_cpu=True),
+    Peer("entmax", "entmax", _load_entmax),
+    Peer("entmax-bisect", "entmax", _load_entmax_bisect),
+    Peer("liger", "liger-kernel", _load_liger, min_version="0.5.10", needs_gpu=True),
+    Peer("adasplash", "adasplash", _load_adasplash, min_version="0.2", needs_gpu=True),
+)
+NAMES = tuple(peer.name for peer in PEERS)
+
+
+def package_version(package: str) -> str | None:
+    """The installed version of a distribution, or None when it is not installed."""
+    if package == "flashmax":  # this package, also when run from a source tree without metadata
+        return flashmax.__version__
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def discover(device: torch.device, requested: Sequence[str] | None = None) -> list[Impl]:
+    """The implementations to show, in leaderboard order: all of them, or those requested."""
+    return [
+        _resolve(peer, device, asked=requested is not None)
+        for peer in PEERS
+        if requested is None or peer.name in requested
+    ]
+
+
+def _resolve(peer: Peer, device: torch.device, asked: bool) -> Impl:
+    version = package_version(peer.package)
+    on_gpu = device.type == "cuda"
+    if version is None:
+        return Impl(peer.name, "", None, "not installed")
+    if peer.min_version and _release(version) < _release(peer.min_version):
+        return Impl(peer.name, version, None, f"needs {peer.package} >= {peer.min_version}")
+    if peer.needs_gpu and not on_gpu:
+        return Impl(peer.name, version, None, "needs a GPU")
+    if peer.slow_on_cpu and not on_gpu and not asked:
+        return Impl(peer.name, version, None, "skipped on CPU (slow to compile; ask with --impls)")
+    try:
+        fn = peer.load()
+    except Exception as error:  # a broken install of an optional peer must not stop the run
+        return Impl(peer.name, version, None, f"import failed: {type(error).__name__}: {error}")
+    return Impl(peer.name, version, fn)

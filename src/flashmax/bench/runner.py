@@ -1,0 +1,250 @@
+"""The measurement loop: each workload x implementation x mode timed, checked against an oracle and
+recorded next to the floor, a clone moving the same bytes."""
+
+import datetime
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import flashmax
+from flashmax.reference import sparsemax_sort
+
+from . import peers
+from .report import progress
+from .timing import Budget, Timing, describe_error, measure, measure_graph_replay, peak_extra_mb
+from .workloads import TENSORS_MOVED, Workload
+
+# Datasheet memory bandwidth in bytes/s, matched against the GPU's name.
+DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
+
+EXACT_BELOW = 1e-4
+
+
+def inexact_above(dtype: torch.dtype) -> float:
+    """The relative error that flags an implementation inexact.
+
+    Half types round the result once at the end, which alone costs up to eps/2: their bar is eps.
+    """
+    return max(EXACT_BELOW, torch.finfo(dtype).eps)
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    tokens: int
+    features: Sequence[int]
+    dtypes: Sequence[str]
+    modes: Sequence[str]
+    dist: str
+    requested_impls: Sequence[str] | None  # None: every implementation
+    budget: Budget
+
+    def workloads(self) -> list[Workload]:
+        return [Workload(self.tokens, f, dtype, self.dist) for dtype in self.dtypes for f in self.features]
+
+
+@dataclass(frozen=True)
+class Record:
+    impl: str
+    impl_version: str
+    tokens: int
+    features: int
+    dtype: str
+    mode: str
+    dist: str
+    median_us: float | None
+    p20_us: float | None
+    p80_us: float | None
+    graph_us: float | None  # GPU time alone, from CUDA-graph replay
+    graph_note: str | None  # why graph_us is missing on a GPU
+    floor_us: float  # the same bytes moved by x.clone(), timed the same way
+    floor_graph_us: float | None  # the same, GPU time alone (CUDA-graph replay)
+    datasheet_floor_us: float | None  # the same bytes at the GPU's datasheet bandwidth
+    ratio_to_floor: float | None
+    graph_ratio_to_floor: float | None  # graph_us / floor_graph_us: the GPU kernels' own ratio
+    gbps: float | None
+    rel_error: float | None  # against the float64 oracle on the same input
+    inexact: bool | None
+    peak_mb: float | None  # memory allocated beyond the inputs, output included
+    error: str | None  # why the measurement failed, if it did
+    device: str
+    torch: str
+    triton: str
+    flashmax_commit: str
+    date: str
+
+
+@dataclass(frozen=True)
+class Result:
+    settings: Settings
+    impls: list[peers.Impl]
+    records: list[Record]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    timing: Timing | None = None
+    graph: Timing | None = None
+    graph_note: str | None = None
+    rel_error: float | None = None
+    peak_mb: float | None = None
+    error: str | None = None
+
+
+def run_bench(settings: Settings) -> Result:
+    impls = peers.discover(settings.device, settings.requested_impls)
+    runnable = [impl for impl in impls if impl.available]
+    workloads = settings.workloads()
+    environment = describe_environment(settings.device)
+    records = []
+    with progress(len(workloads) * (1 + len(runnable) * len(settings.modes))) as advance:
+        for workload in workloads:
+            # torch.compile keeps a limited number of compiled shapes, then silently runs eager.
+            torch.compiler.reset()
+            advance(f"{workload.dtype} × {workload.features}: floor")
+            clone = workload.input(settings.device).clone
+            clone_us = measure(clone, settings.device, settings.budget).median_us
+            clone_graph = measure_graph_replay(clone, settings.device, settings.budget)[0] if settings.device.type == "cuda" else None
+            clone_graph_us = clone_graph.median_us if clone_graph else None
+            oracle = Oracle(workload, settings.device)
+            for impl in runnable:
+                for mode in settings.modes:
+                    advance(f"{workload.dtype} × {workload.features}: {impl.name} {mode}")
+                    measured = measure_one(impl.fn, workload, mode, settings, oracle)
+                    records.append(to_record(impl, workload, mode, (clone_us, clone_graph_us), measured, settings,
+                                             environment))
+    return Result(settings, impls, records)
+
+
+def forward_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: fn(x, -1)
+
+
+def backward_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The backward pass alone: y is computed once, its graph kept for every timed run."""
+    x.requires_grad_()
+    y = fn(x, -1)
+    return lambda: torch.autograd.grad(y, x, g, retain_graph=True)[0]
+
+
+def full_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor) -> Callable[[], tuple]:
+    x.requires_grad_()
+
+    def forward_backward() -> tuple[torch.Tensor, torch.Tensor]:
+        y = fn(x, -1)
+        return y, torch.autograd.grad(y, x, g)[0]
+
+    return forward_backward
+
+
+MODE_OPS = {"forward": forward_op, "backward": backward_op, "full": full_op}
+
+
+def measure_one(fn: peers.SparsemaxFn, workload: Workload, mode: str, settings: Settings,
+                oracle: "Oracle") -> Measurement:
+    device, budget = settings.device, settings.budget
+    try:
+        op = MODE_OPS[mode](fn, workload.input(device), workload.grad(device))
+        rel_error = oracle.error(mode, op())
+        peak_mb = peak_extra_mb(op, device)
+        timing = measure(op, device, budget)
+        graph, graph_note = measure_graph_replay(op, device, budget) if device.type == "cuda" else (None, None)
+    except Exception as error:  # one failing implementation must not end the run
+        return Measurement(error=describe_error(error))
+    return Measurement(timing, graph, graph_note, rel_error, peak_mb)
+
+
+def relative_error(output: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> float:
+    """||output - ref|| / ||ref||; scale stands in for ||ref|| where ref is all zeros."""
+    norm = ref.norm()
+    return float((output.detach().double() - ref).norm() / (norm if norm > 0 else scale))
+
+
+class Oracle:
+    """Float64 sparsemax by sort + cumsum on the workload's input, on the same device, and its
+    gradient dx = s * (g - mean of g over the support s)."""
+
+    def __init__(self, workload: Workload, device: torch.device):
+        x, g = workload.input(device).double(), workload.grad(device).double()
+        self.y = sparsemax_sort(x, -1)
+        support = self.y > 0
+        mean = torch.where(support, g, 0).sum(-1, keepdim=True) / support.sum(-1, keepdim=True)
+        self.dx = torch.where(support, g - mean, 0)
+        # dx is all zeros when every support is one entry (randn10, wide rows): measure against g.
+        self.g_norm = g.norm()
+
+    def error(self, mode: str, output) -> float:
+        if mode == "forward":
+            return relative_error(output, self.y, self.y.norm())
+        if mode == "backward":
+            return relative_error(output, self.dx, self.g_norm)
+        y, dx = output
+        return max(relative_error(y, self.y, self.y.norm()), relative_error(dx, self.dx, self.g_norm))
+
+
+def to_record(impl: peers.Impl, workload: Workload, mode: str, clone_us: tuple[float, float | None],
+              measured: Measurement, settings: Settings, environment: dict) -> Record:
+    """clone_us: the clone's (median, graph-replay) times; a clone moves 2 tensors."""
+    scale = TENSORS_MOVED[mode] / TENSORS_MOVED["forward"]
+    floor_us = clone_us[0] * scale
+    floor_graph_us = clone_us[1] * scale if clone_us[1] else None
+    graph_us = measured.graph.median_us if measured.graph else None
+    bandwidth = datasheet_bandwidth(settings.device)
+    median_us = measured.timing.median_us if measured.timing else None
+    rel_error = measured.rel_error
+    return Record(
+        impl=impl.name,
+        impl_version=impl.version,
+        tokens=workload.tokens,
+        features=workload.features,
+        dtype=workload.dtype,
+        mode=mode,
+        dist=workload.dist,
+        median_us=median_us,
+        p20_us=measured.timing.p20_us if measured.timing else None,
+        p80_us=measured.timing.p80_us if measured.timing else None,
+        graph_us=graph_us,
+        graph_note=measured.graph_note,
+        floor_us=floor_us,
+        floor_graph_us=floor_graph_us,
+        datasheet_floor_us=workload.bytes_moved(mode) / bandwidth * 1e6 if bandwidth else None,
+        ratio_to_floor=median_us / floor_us if median_us else None,
+        graph_ratio_to_floor=graph_us / floor_graph_us if graph_us and floor_graph_us else None,
+        gbps=workload.bytes_moved(mode) / median_us / 1e3 if median_us else None,
+        rel_error=rel_error,
+        # NaN compares false: a NaN error is inexact.
+        inexact=None if rel_error is None else not rel_error <= inexact_above(workload.torch_dtype),
+        peak_mb=measured.peak_mb,
+        error=measured.error,
+        **environment,
+    )
+
+
+def datasheet_bandwidth(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bandwidth for gpu, bandwidth in DATASHEET_BANDWIDTH.items() if gpu in name), None)
+
+
+def describe_environment(device: torch.device) -> dict:
+    return dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        torch=torch.__version__,
+        triton=peers.package_version("triton") or "not installed",
+        flashmax_commit=git_commit(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def git_commit() -> str:
+    """HEAD of the checkout flashmax runs from, or "unknown" outside one."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(flashmax.__file__).parent,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"

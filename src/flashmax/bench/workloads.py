@@ -1,0 +1,67 @@
+"""What is measured: input shapes, dtypes and value distributions, drawn reproducibly per workload."""
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODES = ("forward", "backward", "full")
+
+# Tensors a mode must read or write at the least (forward: x, y; backward: y, g, dx; full: all five).
+# They set the bytes behind GB/s and the floor: a clone moves two tensors.
+TENSORS_MOVED = {"forward": 2, "backward": 3, "full": 5}
+
+GPU_TOKENS = 2048
+GPU_FEATURES = (1024, 2048, 4096, 8192, 16384, 32768)
+GPU_QUICK_FEATURES = (1024, 4096, 32768)
+CPU_TOKENS = 256
+CPU_FEATURES = (1024, 4096)
+
+
+def _randn(shape, generator, device):
+    return torch.randn(shape, generator=generator, device=device)
+
+
+DISTRIBUTIONS = {
+    "randn": _randn,
+    "rand": lambda shape, gen, device: torch.rand(shape, generator=gen, device=device),
+    # Narrow rows: most entries land in the support. Wide rows: support of one or two entries.
+    "randn0.01": lambda shape, gen, device: _randn(shape, gen, device) * 0.01,
+    "randn10": lambda shape, gen, device: _randn(shape, gen, device) * 10,
+    # Few distinct values: many exact ties at the threshold.
+    "ties": lambda shape, gen, device: torch.randint(0, 8, shape, generator=gen, device=device) / 8,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    tokens: int
+    features: int
+    dtype: str
+    dist: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def bytes_moved(self, mode: str) -> int:
+        element_size = torch.empty((), dtype=self.torch_dtype).element_size()
+        return TENSORS_MOVED[mode] * self.tokens * self.features * element_size
+
+    def input(self, device: torch.device) -> torch.Tensor:
+        """A fresh x: the same values on every call, so every implementation sees the same input."""
+        draw = DISTRIBUTIONS[self.dist]
+        return draw(self._shape, self._generator(device, "x"), device).to(self.torch_dtype)
+
+    def grad(self, device: torch.device) -> torch.Tensor:
+        """The upstream gradient g of the backward pass, fixed per workload like x."""
+        return _randn(self._shape, self._generator(device, "g"), device).to(self.torch_dtype)
+
+    @property
+    def _shape(self) -> tuple[int, int]:
+        return (self.tokens, self.features)
+
+    def _generator(self, device: torch.device, purpose: str) -> torch.Generator:
+        key = f"{self.tokens}x{self.features}:{self.dtype}:{self.dist}:{purpose}"
+        return torch.Generator(device).manual_seed(zlib.crc32(key.encode()))
