@@ -2,6 +2,7 @@
 recorded next to the floor, a clone moving the same bytes."""
 
 import datetime
+import os
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -241,7 +242,10 @@ def describe_environment(device: torch.device) -> dict:
 
 
 def git_commit() -> str:
-    """HEAD of the checkout flashmax runs from, or "unknown" outside one."""
+    """HEAD of the checkout flashmax runs from; FLASHMAX_COMMIT where the checkout has no .git
+    (a copy of the tree on a GPU machine); else "unknown"."""
+    if os.environ.get("FLASHMAX_COMMIT"):
+        return os.environ["FLASHMAX_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(flashmax.__file__).parent,
                               capture_output=True, text=True, timeout=10)
