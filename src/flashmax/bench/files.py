@@ -119,6 +119,6 @@ def _plot_panel(ax, records: list["Record"]) -> None:
     ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_xlabel("features")
-    ax.set_ylabel("median time (µs)")
+    ax.set_ylabel("median µs (GPU time where measured)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
