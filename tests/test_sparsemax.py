@@ -425,9 +425,9 @@ def test_zero_d(dtype, dim):
 @pytest.mark.parametrize(
     "dtype",
     [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
-    + [torch.complex64, torch.complex128],
+    + [torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2],
 )
-def test_non_float_dtype_is_type_error(dtype):
+def test_unsupported_dtype_is_type_error(dtype):
     x = torch.ones(3, 4, dtype=dtype)
     with pytest.raises(TypeError, match=str(dtype).replace(".", r"\.")):
         sparsemax(x)
@@ -572,6 +572,13 @@ def test_gradcheck_fp64(dim):
 def test_gradcheck_fp64_module_noncontiguous():
     x = separated_input((5, 4), seed=7).t().requires_grad_()
     assert torch.autograd.gradcheck(Sparsemax(dim=1), (x,), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dim", [0, 2])
+def test_gradgradcheck_fp64(dim):
+    x = separated_input((3, 4, 5), seed=dim + 3).requires_grad_()
+    assert distance_to_kink(x.detach(), dim) > 1e-4
+    assert torch.autograd.gradgradcheck(lambda t: sparsemax(t, dim), (x,), eps=1e-6, atol=1e-8)
 
 
 # ----------------------------------------------------------------------------------------------

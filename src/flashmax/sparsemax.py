@@ -26,12 +26,17 @@ def uses_kernels(x: torch.Tensor, dim: int) -> bool:
     return kernels is not None and x.is_cuda and kernels.fits(x.shape[dim], x.dtype)
 
 
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_input(x: torch.Tensor, dim: int, name: str = "sparsemax") -> int:
     """Validate x and dim; return dim as a non-negative index."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name}: expected a float16, bfloat16, float32 or float64 tensor, got dtype {x.dtype}"
+        )
     ndim = max(x.dim(), 1)
     if not -ndim <= dim < ndim:
         raise IndexError(
@@ -84,6 +89,20 @@ def _backward(ctx, grad):
 
 
 _sparsemax_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _setup_backward_context(ctx, inputs, output):
+    ctx.dim = inputs[2]
+    ctx.save_for_backward(inputs[0])
+
+
+def _double_backward(ctx, grad_dx):
+    # dx is linear in grad (the same projection again) and locally constant in y.
+    (y,) = ctx.saved_tensors
+    return None, _sparsemax_backward_op(y, grad_dx, ctx.dim), None
+
+
+_sparsemax_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
 
 
 def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
