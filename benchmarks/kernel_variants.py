@@ -107,8 +107,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--end-to-end-only", action="store_true",
+                        help="only the eager forward + backward against torch.softmax")
     args = parser.parse_args()
     widths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    if args.end_to_end_only:
+        widths = []
     records = []
     rows = args.tokens
     for n in widths:

@@ -171,6 +171,22 @@ def test_public_op_uses_kernels_and_autograd():
     assert torch.allclose(dx, kernels.sparsemax_backward(y.detach(), g, 1))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the eager fast path serves CUDA tensors only")
+def test_eager_path_matches_custom_op():
+    import flashmax
+
+    x = make("rand", 64, 1000, seed=16).requires_grad_()
+    g = torch.randn_like(x)
+    y_fast = flashmax.sparsemax(x, 1)
+    y_op = torch.ops.flashmax.sparsemax(x, 1)
+    assert torch.equal(y_fast, y_op)
+    (dx_fast,) = torch.autograd.grad(y_fast, x, g)
+    (dx_op,) = torch.autograd.grad(y_op, x, g)
+    assert torch.equal(dx_fast, dx_op)
+    xd = make("randn", 3, 20, torch.float64, seed=17).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda t: flashmax.sparsemax(t, 1), (xd,))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture():
     import flashmax

@@ -3,6 +3,10 @@
 CUDA tensors run the Triton kernels in `flashmax.kernels.sparsemax`; every other tensor (or any
 tensor when Triton is missing) runs the exact pure-torch path in `flashmax.reference`.
 Results are always contiguous tensors of the input's shape, so fake and real layouts agree.
+
+Eager calls on CUDA skip the custom-op dispatcher, whose Python layers cost about as much host
+time as a small kernel takes on the GPU, through `_EagerSparsemax`, a thin autograd.Function
+over the same kernels (bit-identical results); torch.compile always sees the custom op.
 """
 
 import torch
@@ -105,6 +109,22 @@ def _double_backward(ctx, grad_dx):
 _sparsemax_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
 
 
+class _EagerSparsemax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        y = kernels.sparsemax_forward(x, dim)
+        ctx.save_for_backward(y)
+        ctx.dim = dim
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the op keeps the gradient differentiable
+            return _sparsemax_backward_op(y, grad, ctx.dim), None
+        return kernels.sparsemax_backward(y, grad, ctx.dim), None
+
+
 def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sparsemax of x along dim: the Euclidean projection of each slice onto the simplex.
 
@@ -114,6 +134,8 @@ def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     dim = check_input(x, dim)
     if x.dim() == 0:
         return _sparsemax_op(x.reshape(1), 0).reshape(())
+    if uses_kernels(x, dim) and not torch.compiler.is_compiling():
+        return _EagerSparsemax.apply(x, dim)
     return _sparsemax_op(x, dim)
 
 

@@ -190,11 +190,16 @@ def _strided(t: torch.Tensor, dim: int):
     return t, view
 
 
+def _next_power_of_2(n: int) -> int:
+    # Plain Python: triton's helpers are jit functions, microseconds per call on the host.
+    return 1 << (n - 1).bit_length()
+
+
 def launch_config(n_rows: int, n: int, num_warps=None, block_m=None):
     """(BLOCK_M, BLOCK_N, num_warps): rows per program, padded row width, warps."""
-    block_n = triton.next_power_of_2(n)
+    block_n = _next_power_of_2(n)
     if block_m is None:
-        block_m = max(1, min(triton.next_power_of_2(n_rows), ELEMENTS_PER_PROGRAM // block_n))
+        block_m = max(1, min(_next_power_of_2(n_rows), ELEMENTS_PER_PROGRAM // block_n))
     if num_warps is None:
         elements = block_m * block_n
         # Measured on an H200 (benchmarks/NOTES.md): 128 entries per thread, but two warps
@@ -235,7 +240,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     n_rows = outer * inner
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     group = group_size(block_n, x.element_size(), num_warps, group)
-    grid = (triton.cdiv(n_rows, block_m),)
+    grid = (-(-n_rows // block_m),)
     sparsemax_forward_kernel[grid](
         x, y, n_rows, n, inner, *x_strides, *y_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
@@ -256,7 +261,7 @@ def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, 
     _, _, dx_strides = rows_view(dx, dim)
     n_rows = outer * inner
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
-    grid = (triton.cdiv(n_rows, block_m),)
+    grid = (-(-n_rows // block_m),)
     sparsemax_backward_kernel[grid](
         y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides,
         BLOCK_M=block_m, BLOCK_N=block_n,
