@@ -62,6 +62,8 @@ DISTS = {torch.float32: ("randn", "rand", "randn0.01"), torch.bfloat16: ("randn"
 FORWARD_VARIANTS = {
     "default": {},
     "narrow-sum": {"wide_sum": False},
+    "group16": {"group": 16},
+    "group32": {"group": 32},
 }
 
 
