@@ -111,19 +111,25 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--end-to-end-only", action="store_true",
                         help="only the eager forward + backward against torch.softmax")
+    parser.add_argument("--shapes", nargs="+", metavar="ROWSxN",
+                        help="shapes to time with the default kernel only, e.g. 512x131072")
     args = parser.parse_args()
     widths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    shapes = [(args.tokens, n) for n in widths]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     if args.end_to_end_only:
-        widths = []
+        shapes = []
     records = []
-    rows = args.tokens
-    for n in widths:
+    for rows, n in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             n_inputs = max(2, min(64, L2_MULTIPLE_BYTES // (rows * n * dtype.itemsize)))
             for dist in DISTS[dtype]:
                 inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
                 floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
-                variants = FORWARD_VARIANTS if dtype == torch.float32 else {"default": {}}
+                variants = FORWARD_VARIANTS
+                if dtype != torch.float32 or args.shapes:
+                    variants = {"default": {}}
                 for name, config in variants.items():
                     def fwd(x, config=config):
                         return kernels.sparsemax_forward(x, 1, **config)
@@ -149,8 +155,9 @@ def main():
                     del ys, gs, pairs
                 del inputs
                 torch.cuda.empty_cache()
-            print(f"done n={n} {dtype}", flush=True)
-    end_to_end(records, rows)
+            print(f"done {rows}x{n} {dtype}", flush=True)
+    if not args.shapes:
+        end_to_end(records, args.tokens)
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__)
@@ -159,13 +166,14 @@ def main():
         with open(os.path.join(out, "variants.json"), "w") as f:
             json.dump(dict(meta=meta, records=records), f, indent=1)
     print(meta)
-    print(f"{'mode':8} {'variant':11} {'n':>6} {'dtype':8} {'dist':9} {'us':>8} {'floor':>7} "
+    print(f"{'mode':8} {'variant':11} {'shape':>12} {'dtype':8} {'dist':9} {'us':>8} {'floor':>7} "
           f"{'ratio':>6} {'relerr':>8}")
     for r in records:
         err = "" if r["rel_error"] is None else f"{r['rel_error']:.1e}"
         extra = (f" forward op {r['forward_op_us']:.1f} launch {r['forward_launch_us']:.1f}"
                  if "forward_op_us" in r else "")
-        print(f"{r['mode']:8} {r['variant']:11} {r['n']:6} {r['dtype']:8} {r['dist']:9} "
+        shape = f"{r['rows']}x{r['n']}"
+        print(f"{r['mode']:8} {r['variant']:11} {shape:>12} {r['dtype']:8} {r['dist']:9} "
               f"{r['median_us']:8.1f} {r['floor_us']:7.1f} {r['ratio']:6.2f} {err:>8}{extra}")
 
 

@@ -16,7 +16,7 @@ DEVICE = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu")
 ON_GPU = DEVICE == "cuda"
 # Interpreter programs run one after another in Python: keep the CPU shapes small.
 ROWS = 64 if ON_GPU else 6
-WIDTHS = [1, 3, 8, 100, 1000, 4096, 32768] if ON_GPU else [1, 3, 8, 100, 1000, 4096]
+WIDTHS = [1, 3, 8, 100, 1000, 4096, 32768, 100000] if ON_GPU else [1, 3, 8, 100, 1000, 4096]
 POISON = 12345.0
 
 
@@ -83,14 +83,23 @@ def test_forward_fp64():
 @pytest.mark.parametrize(
     "config",
     [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"block_m": 4},
-     {"num_warps": 1}, {"wide_sum": False, "num_warps": 2}],
+     {"num_warps": 1}, {"wide_sum": False, "num_warps": 2}, {"chunk": 256},
+     {"chunk": 128, "group": 1}],
     ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
-         "narrow-sum"],
+         "narrow-sum", "streamed", "streamed-no-groups"],
 )
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 def test_every_launch_path_is_exact(config, dist):
     x = make(dist, 2 * ROWS + 1, 1000, seed=3)  # row count not a multiple of BLOCK_M
     assert_close_to_oracle(forward(x, **config).cpu(), x.cpu(), -1, rtol=1e-6)
+
+
+def test_streamed_chunks_without_candidates():
+    # Whole chunks below max - 1 hold no support: they must neither stall nor bias the bound.
+    x = make("randn", ROWS, 1000, seed=18)
+    x[:, :512] -= 10
+    x[:, 700:] -= 10
+    assert_close_to_oracle(forward(x, chunk=128).cpu(), x.cpu(), -1, rtol=1e-6)
 
 
 def test_short_rows_share_a_program():
@@ -106,7 +115,8 @@ def test_every_dim_without_copy(dim):
     assert_close_to_oracle(forward(x, dim).cpu(), x.cpu(), dim, rtol=1e-6)
 
 
-def test_strided_views():
+@pytest.mark.parametrize("config", [{}, {"chunk": 64}], ids=["in-registers", "streamed"])
+def test_strided_views(config):
     base = make("randn", 2 * ROWS, 3 * 100, seed=6).reshape(2 * ROWS, 3, 100)
     for view, dim in [
         (base.transpose(0, 2), 0),  # features strided, rows contiguous
@@ -114,21 +124,22 @@ def test_strided_views():
         (base[:, :, ::3], 2),  # feature stride 3
         (base.permute(1, 0, 2)[:, ::2], 0),  # dims around dim that cannot merge: copied
     ]:
-        assert_close_to_oracle(forward(view, dim).cpu(), view.cpu(), dim, rtol=1e-6)
+        assert_close_to_oracle(forward(view, dim, **config).cpu(), view.cpu(), dim, rtol=1e-6)
 
 
-def test_bad_rows_are_nan_and_leave_others_alone():
+@pytest.mark.parametrize("config", [{}, {"chunk": 16}], ids=["in-registers", "streamed"])
+def test_bad_rows_are_nan_and_leave_others_alone(config):
     x = make("randn", 6, 40, seed=7)
     x[0, 3] = torch.nan
     x[1, 5] = torch.inf
     x[2] = -torch.inf
     x[3, :30] = -torch.inf
-    y = forward(x)
+    y = forward(x, **config)
     assert torch.isnan(y[:3]).all()
     assert not torch.isnan(y[3:]).any()
     assert (y[3, :30] == 0).all()
     assert_close_to_oracle(y[3:].cpu(), x[3:].cpu(), -1, rtol=1e-6)
-    assert torch.equal(y[4:], forward(x[4:].clone()))
+    assert torch.equal(y[4:], forward(x[4:].clone(), **config))
 
 
 def test_deterministic():
@@ -136,14 +147,15 @@ def test_deterministic():
     assert torch.equal(forward(x), forward(x))
 
 
+@pytest.mark.parametrize("chunk", [None, 64], ids=["in-registers", "streamed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("n", [5, 1000])
-def test_backward_matches_formula(dtype, n):
-    x = make("randn", ROWS, n, dtype, seed=9)
+def test_backward_matches_formula(dtype, n, chunk):
+    x = make("rand", ROWS, n, dtype, seed=9)  # large supports: every chunk holds some
     y = forward(x)
     g = make("randn", ROWS, n, dtype, seed=10)
     out = torch.full(x.shape, POISON, dtype=dtype, device=x.device)
-    dx = kernels.sparsemax_backward(y, g, 1, out=out)
+    dx = kernels.sparsemax_backward(y, g, 1, out=out, chunk=chunk)
     assert not (dx == POISON).any()
     want = reference.sparsemax_backward(y.double(), g.double())
     tol = 1e-12 if dtype == torch.float64 else torch.finfo(dtype).eps * 4

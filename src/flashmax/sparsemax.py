@@ -25,9 +25,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def uses_kernels(x: torch.Tensor, dim: int) -> bool:
-    """CUDA tensors whose rows fit one program run the Triton kernels."""
-    return kernels is not None and x.is_cuda and kernels.fits(x.shape[dim], x.dtype)
+def uses_kernels(x: torch.Tensor) -> bool:
+    return kernels is not None and x.is_cuda
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -52,7 +51,7 @@ def check_input(x: torch.Tensor, dim: int, name: str = "sparsemax") -> int:
 
 @torch.library.custom_op("flashmax::sparsemax", mutates_args=())
 def _sparsemax_op(x: torch.Tensor, dim: int) -> torch.Tensor:
-    if uses_kernels(x, dim):
+    if uses_kernels(x):
         return kernels.sparsemax_forward(x, dim)
     if not x.numel():
         return x.new_empty(x.shape)
@@ -67,7 +66,7 @@ def _(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 @torch.library.custom_op("flashmax::sparsemax_backward", mutates_args=())
 def _sparsemax_backward_op(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
-    if uses_kernels(y, dim):
+    if uses_kernels(y):
         return kernels.sparsemax_backward(y, grad, dim)
     if not y.numel():
         return y.new_empty(y.shape)
@@ -134,7 +133,7 @@ def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     dim = check_input(x, dim)
     if x.dim() == 0:
         return _sparsemax_op(x.reshape(1), 0).reshape(())
-    if uses_kernels(x, dim) and not torch.compiler.is_compiling():
+    if uses_kernels(x) and not torch.compiler.is_compiling():
         return _EagerSparsemax.apply(x, dim)
     return _sparsemax_op(x, dim)
 

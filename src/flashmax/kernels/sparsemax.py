@@ -13,13 +13,18 @@ maxima (down the tile's columns) are a reduction inside each thread's registers.
 Every step is a chain of reductions whose latency, not the arithmetic, bounds short rows:
 the launch heuristics give each row as few warps as its registers allow (one warp up to 2048
 entries), so that most reductions are warp shuffles and many rows are in flight per SM.
+
+Rows longer than MAX_BLOCK_N are streamed in chunks by one program each: correct and free of
+host synchronisation (CUDA-graph capturable), but several passes over memory (issue 5 is
+about making them fast).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-# Rows longer than this (in elements) do not fit one program's registers.
+# Rows up to this many entries are held in one program's registers; longer rows are streamed
+# in chunks of this size (several passes over memory, but no host synchronisation).
 MAX_BLOCK_N = {torch.float64: 16384}
 DEFAULT_MAX_BLOCK_N = 32768
 ELEMENTS_PER_PROGRAM = 2048  # short rows are batched BLOCK_M at a time up to this many elements
@@ -32,41 +37,69 @@ def _add_add_min(total_a, count_a, min_a, total_b, count_b, min_b):
 
 
 @triton.jit
-def _newton_threshold(z, tau, WIDE_SUM: tl.constexpr):
-    """Exact threshold of each row of z [BLOCK_M, A, B] (-inf padding allowed) from lower
-    bounds tau [BLOCK_M].
+def _step_sums(z, tau, WIDE_SUM: tl.constexpr):
+    """One Newton step's sums over a [BLOCK_M, A, B] tile: for d = z - tau, (sum of d > 0,
+    count of d > 0, smallest d > 0) per row.
 
-    Returns (pivot, step) with tau = pivot + step and |step| <= |tau|: (z - pivot) - step
-    rounds each output nearly relative to itself, where z - tau would round tau first.
-    The step is
-    (sum - 1) / count with sum close to 1, so the sum's rounding error becomes the outputs'
-    relative error; WIDE_SUM accumulates it in float64.
+    Summing z - tau rather than z keeps the terms small: no cancellation when all of a row lies
+    close together (scales of 1e-3). The step is (sum - 1) / count with sum close to 1, so the
+    sum's rounding error becomes the outputs' relative error; WIDE_SUM accumulates it in fp64.
     """
+    d = z - tau[:, None, None]
+    support = d > 0
+    positive = tl.maximum(d, 0.0)
+    if WIDE_SUM:
+        positive = positive.to(tl.float64)
+    total, count, smallest = tl.reduce(
+        (positive, support.to(z.dtype), tl.where(support, d, float("inf"))), 2, _add_add_min)
+    return tl.reduce((total, count, smallest), 1, _add_add_min)
+
+
+@triton.jit
+def _newton_update(total, count, smallest, pivot, step, done):
+    """Advance (pivot, step, done) by one Newton step from its sums at tau = pivot + step.
+
+    A step is final when every entry of the support it used stays above the new tau, and it
+    was small: a large step was computed from z - tau with tau far away, rounded to ~|tau|
+    ulps, so it is refined once more. Then |step| <= |tau|, and (z - pivot) - step rounds each
+    output nearly relative to itself, where z - tau would round tau first.
+    """
+    tau = pivot + step
+    # No entry above tau (a streamed chunk whose entries are all <= -1, a NaN or padding row):
+    # keep tau, which is then already a lower bound at least as good as this subset's.
+    has_support = count > 0
+    new_step = tl.where(has_support, (total - 1.0) / count, 0.0).to(pivot.dtype)
+    small = tl.abs(new_step) <= tl.abs(tau + new_step)
+    pivot = tl.where(done, pivot, tau)
+    step = tl.where(done, step, new_step)
+    done = done | ((smallest > new_step) & small) | ~has_support
+    return pivot, step, done
+
+
+@triton.jit
+def _newton_threshold(z, tau, WIDE_SUM: tl.constexpr):
+    """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
+    allowed) from lower bounds tau [BLOCK_M]."""
     pivot = tau
     step = tl.zeros_like(tau)
     done = tau != tau
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
-        tau = pivot + step
-        # Summing z - tau rather than z keeps the terms small: no cancellation when all of a
-        # row lies close together (scales of 1e-3).
-        d = z - tau[:, None, None]
-        support = d > 0
-        positive = tl.maximum(d, 0.0)
-        if WIDE_SUM:
-            positive = positive.to(tl.float64)
-        total, count, smallest = tl.reduce(
-            (positive, support.to(z.dtype), tl.where(support, d, float("inf"))), 2, _add_add_min)
-        total, count, smallest = tl.reduce((total, count, smallest), 1, _add_add_min)
-        new_step = ((total - 1.0) / count).to(z.dtype)
-        pivot = tl.where(done, pivot, tau)
-        step = tl.where(done, step, new_step)
-        # Final once the support holds, and the step was small: a large step was computed
-        # from z - tau with tau far away, rounded to ~|tau| ulps, so refine it once more.
-        small = tl.abs(new_step) <= tl.abs(tau + new_step)
-        done = done | ((smallest > new_step) & small)
+        total, count, smallest = _step_sums(z, pivot + step, WIDE_SUM)
+        pivot, step, done = _newton_update(total, count, smallest, pivot, step, done)
         pending = tl.sum((~done).to(tl.int32), axis=0)
     return pivot, step
+
+
+@triton.jit
+def _tile_threshold(z, GROUP: tl.constexpr, WIDE_SUM: tl.constexpr):
+    """Exact threshold (pivot, step) of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0,
+    starting from the exact tau of its group maxima (down axis 1, inside each thread)."""
+    tau = tl.full([z.shape[0]], -1.0, z.dtype)
+    if GROUP > 1:
+        pivot, step = _newton_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau, False)
+        tau = pivot + step
+    return _newton_threshold(z, tau, WIDE_SUM)
 
 
 @triton.jit
@@ -75,13 +108,30 @@ def _nan_max(a, b):
 
 
 @triton.jit
-def _row_offsets(block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+def _tile_max(x):
+    return tl.reduce(tl.reduce(x, 2, _nan_max), 1, _nan_max)
+
+
+@triton.jit
+def _is_bad(row_max):
+    # NaN or +inf anywhere, or every entry -inf: the whole row is NaN (as torch.softmax).
+    return (row_max != row_max) | (row_max == float("inf")) | (row_max == -float("inf"))
+
+
+@triton.jit
+def _sparsemax_tile(z, pivot, step, bad):
+    y = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
+    return tl.where(bad[:, None, None], float("nan"), y)
+
+
+@triton.jit
+def _row_offsets(block, start, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                  BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
                  WIDE: tl.constexpr):
-    """Offsets and mask of BLOCK_M rows of an [outer, n, inner] view, each as a [GROUP, WIDTH]
-    tile of contiguous chunks: a [BLOCK_M, GROUP, WIDTH] block."""
+    """Offsets and mask of entries start ... start + GROUP * WIDTH of BLOCK_M rows of an
+    [outer, n, inner] view, each as a [GROUP, WIDTH] tile of contiguous chunks."""
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, GROUP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+    cols = start + tl.arange(0, GROUP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
     rows64 = rows.to(tl.int64)
     base = (rows64 // inner) * stride_outer + (rows64 % inner) * stride_inner
     if WIDE:
@@ -100,32 +150,94 @@ def sparsemax_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
     WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
 ):
+    """BLOCK_M whole rows per program, held in registers: one read, one write."""
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
-    x_off, mask = _row_offsets(block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                               BLOCK_M, GROUP, WIDTH, WIDE)
+    x_off, mask = _row_offsets(block, 0, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                               x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
     x = tl.load(X + x_off, mask=mask, other=-float("inf"))
-    compute = tl.float64 if x.dtype == tl.float64 else tl.float32
-    x = x.to(compute)
-    row_max = tl.reduce(tl.reduce(x, 2, _nan_max), 1, _nan_max)
-    # NaN or +inf anywhere, or every entry -inf: the whole row is NaN (as torch.softmax).
-    bad = (row_max != row_max) | (row_max == float("inf")) | (row_max == -float("inf"))
+    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
+    row_max = _tile_max(x)
     z = x - row_max[:, None, None]
-    tau = tl.full([BLOCK_M], -1.0, compute)
-    if GROUP > 1:
-        pivot, step = _newton_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau, False)
-        tau = pivot + step
-    pivot, step = _newton_threshold(z, tau, WIDE_SUM)
-    y = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
-    y = tl.where(bad[:, None, None], float("nan"), y)
-    y_off, _ = _row_offsets(block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
-                            BLOCK_M, GROUP, WIDTH, WIDE)
+    pivot, step = _tile_threshold(z, GROUP, WIDE_SUM)
+    y = _sparsemax_tile(z, pivot, step, _is_bad(row_max))
+    y_off, _ = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                            y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
     tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sparsemax_forward_streamed_kernel(
+    X, Y, n_rows, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
+):
+    """One row per program, streamed CHUNK entries at a time: a pass for the max, a pass for
+    the best chunk's exact tau (a lower bound on the row's), a pass per Newton step, and a pass
+    that writes."""
+    row = tl.program_id(0)
+    WIDTH: tl.constexpr = CHUNK // GROUP
+    compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    row_max = tl.full([1], -float("inf"), compute)
+    for start in range(0, n, CHUNK):
+        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
+        x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
+        row_max = _nan_max(row_max, _tile_max(x))
+    bad = _is_bad(row_max)
+
+    tau = tl.full([1], -1.0, compute)
+    for start in range(0, n, CHUNK):
+        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
+        z = tl.load(X + off, mask=mask, other=-float("inf")).to(compute) - row_max[:, None, None]
+        pivot, step = _tile_threshold(z, GROUP, False)
+        tau = tl.maximum(tau, pivot + step)
+
+    pivot = tau
+    step = tl.zeros_like(tau)
+    done = bad
+    pending = tl.sum((~done).to(tl.int32), axis=0)
+    while pending > 0:
+        total = tl.zeros([1], tl.float64 if WIDE_SUM else compute)
+        count = tl.zeros([1], compute)
+        smallest = tl.full([1], float("inf"), compute)
+        for start in range(0, n, CHUNK):
+            off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer,
+                                     x_stride_inner, x_stride_n, 1, GROUP, WIDTH, WIDE)
+            z = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
+            chunk = _step_sums(z - row_max[:, None, None], pivot + step, WIDE_SUM)
+            total, count, smallest = _add_add_min(total, count, smallest, *chunk)
+        pivot, step, done = _newton_update(total, count, smallest, pivot, step, done)
+        pending = tl.sum((~done).to(tl.int32), axis=0)
+
+    for start in range(0, n, CHUNK):
+        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
+        z = tl.load(X + off, mask=mask, other=-float("inf")).to(compute) - row_max[:, None, None]
+        y = _sparsemax_tile(z, pivot, step, bad)
+        y_off, _ = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                                y_stride_n, 1, GROUP, WIDTH, WIDE)
+        tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _add_add(total_a, count_a, total_b, count_b):
     return total_a + total_b, count_a + count_b
+
+
+@triton.jit
+def _support_sums(y, g):
+    """(sum of g, count) over the support y > 0 of each row of a [BLOCK_M, 1, B] tile."""
+    support = y > 0
+    total, count = tl.reduce((tl.where(support, g, 0.0), support.to(g.dtype)), 2, _add_add)
+    return tl.reshape(total, [total.shape[0]]), tl.reshape(count, [count.shape[0]])
+
+
+@triton.jit
+def _backward_tile(y, g, mean):
+    return tl.where(y > 0, g - mean[:, None, None], 0.0)
 
 
 @triton.jit
@@ -136,21 +248,56 @@ def sparsemax_backward_kernel(
     dx_stride_outer, dx_stride_inner, dx_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
 ):
+    """dx = s * (g - mean of g over s), s = (y > 0): BLOCK_M whole rows per program in
+    registers, one read of y and g, one write."""
     block = tl.program_id(0)
-    y_off, mask = _row_offsets(block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
-                               BLOCK_M, 1, BLOCK_N, WIDE)
-    g_off, _ = _row_offsets(block, n_rows, n, inner, g_stride_outer, g_stride_inner, g_stride_n,
-                            BLOCK_M, 1, BLOCK_N, WIDE)
-    y = tl.load(Yp + y_off, mask=mask, other=0.0)
-    g = tl.load(G + g_off, mask=mask, other=0.0)
-    compute = tl.float64 if y.dtype == tl.float64 else tl.float32
-    g = g.to(compute)
-    support = y.to(compute) > 0
-    total, count = tl.reduce((tl.where(support, g, 0.0), support.to(compute)), 2, _add_add)
-    dx = tl.where(support, g - (total / count)[:, :, None], 0.0)
-    dx_off, _ = _row_offsets(block, n_rows, n, inner, dx_stride_outer, dx_stride_inner,
+    y_off, mask = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                               y_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
+    g_off, _ = _row_offsets(block, 0, n_rows, n, inner, g_stride_outer, g_stride_inner,
+                            g_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    total, count = _support_sums(y, g)
+    dx = _backward_tile(y, g, total / count)
+    dx_off, _ = _row_offsets(block, 0, n_rows, n, inner, dx_stride_outer, dx_stride_inner,
                              dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
     tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sparsemax_backward_streamed_kernel(
+    Yp, G, DX, n_rows, n, inner,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    g_stride_outer, g_stride_inner, g_stride_n,
+    dx_stride_outer, dx_stride_inner, dx_stride_n,
+    CHUNK: tl.constexpr, WIDE: tl.constexpr,
+):
+    """The same, one row per program streamed CHUNK entries at a time: a pass for the support's
+    sum and count, a pass that writes."""
+    row = tl.program_id(0)
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    total = tl.zeros([1], compute)
+    count = tl.zeros([1], compute)
+    for start in range(0, n, CHUNK):
+        y_off, mask = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                                   y_stride_n, 1, 1, CHUNK, WIDE)
+        g_off, _ = _row_offsets(row, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
+                                g_stride_n, 1, 1, CHUNK, WIDE)
+        y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+        total, count = _add_add(total, count, *_support_sums(y, g))
+    for start in range(0, n, CHUNK):
+        y_off, mask = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                                   y_stride_n, 1, 1, CHUNK, WIDE)
+        g_off, _ = _row_offsets(row, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
+                                g_stride_n, 1, 1, CHUNK, WIDE)
+        y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+        dx = _backward_tile(y, g, total / count)
+        dx_off, _ = _row_offsets(row, start, n_rows, n, inner, dx_stride_outer,
+                                 dx_stride_inner, dx_stride_n, 1, 1, CHUNK, WIDE)
+        tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 def _merge(sizes, strides):
@@ -217,54 +364,68 @@ def group_size(block_n: int, itemsize: int, num_warps: int, group=None) -> int:
     return max(1, min(8, block_n // layout_width))
 
 
-def fits(n: int, dtype: torch.dtype) -> bool:
-    return n <= MAX_BLOCK_N.get(dtype, DEFAULT_MAX_BLOCK_N)
+def max_block_n(dtype: torch.dtype) -> int:
+    return MAX_BLOCK_N.get(dtype, DEFAULT_MAX_BLOCK_N)
 
 
 def _wide(n: int, *stride_ns: int) -> bool:
     return any(n * abs(s) >= 2**31 for s in stride_ns)
 
 
-def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, wide_sum=True) -> torch.Tensor:
-    """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
-
-    The other keyword arguments override the launch heuristics (for benchmarks and tests).
-    """
+def _rows(x: torch.Tensor, out, dim: int, chunk):
+    """Common launch set-up: the output, x (copied only if it has no strided row view), row
+    count, row length, their strides, and the chunk that decides in-register or streamed."""
     y = x.new_empty(x.shape) if out is None else out
-    n = x.shape[dim]
-    if x.numel() == 0:
-        return y
     x, (outer, inner, x_strides) = _strided(x, dim)
     _, _, y_strides = rows_view(y, dim)
-    n_rows = outer * inner
+    chunk = max_block_n(x.dtype) if chunk is None else chunk
+    return y, x, outer * inner, x.shape[dim], inner, x_strides, y_strides, chunk
+
+
+def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
+                      block_m=None, wide_sum=True, chunk=None) -> torch.Tensor:
+    """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
+
+    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks. The
+    other keyword arguments override the launch heuristics (for benchmarks and tests).
+    """
+    if x.numel() == 0:
+        return x.new_empty(x.shape) if out is None else out
+    y, x, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
+    wide = _wide(n, x_strides[2], y_strides[2])
+    if n > chunk:
+        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
+        group = group_size(block_n, x.element_size(), num_warps, group)
+        sparsemax_forward_streamed_kernel[(n_rows,)](
+            x, y, n_rows, n, inner, *x_strides, *y_strides,
+            CHUNK=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum, num_warps=num_warps,
+        )
+        return y
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     group = group_size(block_n, x.element_size(), num_warps, group)
-    grid = (-(-n_rows // block_m),)
-    sparsemax_forward_kernel[grid](
+    sparsemax_forward_kernel[(-(-n_rows // block_m),)](
         x, y, n_rows, n, inner, *x_strides, *y_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
-        WIDE=_wide(n, x_strides[2], y_strides[2]), WIDE_SUM=wide_sum, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum,
+        num_warps=num_warps,
     )
     return y
 
 
 def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
-                       block_m=None) -> torch.Tensor:
+                       block_m=None, chunk=None) -> torch.Tensor:
     """Launch the backward kernel into `out`, as `sparsemax_forward` does."""
-    dx = y.new_empty(y.shape) if out is None else out
-    n = y.shape[dim]
     if y.numel() == 0:
-        return dx
-    y, (outer, inner, y_strides) = _strided(y, dim)
+        return y.new_empty(y.shape) if out is None else out
+    dx, y, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
     grad, (_, _, g_strides) = _strided(grad, dim)
-    _, _, dx_strides = rows_view(dx, dim)
-    n_rows = outer * inner
+    args = (y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides)
+    wide = _wide(n, y_strides[2], g_strides[2], dx_strides[2])
+    if n > chunk:
+        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
+        sparsemax_backward_streamed_kernel[(n_rows,)](
+            *args, CHUNK=block_n, WIDE=wide, num_warps=num_warps)
+        return dx
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
-    grid = (-(-n_rows // block_m),)
-    sparsemax_backward_kernel[grid](
-        y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        WIDE=_wide(n, y_strides[2], g_strides[2], dx_strides[2]), num_warps=num_warps,
-    )
+    sparsemax_backward_kernel[(-(-n_rows // block_m),)](
+        *args, BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, num_warps=num_warps)
     return dx
