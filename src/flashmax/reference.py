@@ -87,7 +87,8 @@ def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
         z.masked_fill_(bad, -torch.inf)
     groups = _groups(z)
     maxima = groups.amax(-1)
-    lower = sum(newton_threshold(maxima, z.new_full(maxima.shape[:1], -1.0))).clamp_min(-1.0)
+    pivot, step = newton_threshold(maxima, z.new_full(maxima.shape[:1], -1.0))
+    lower = (pivot + step).clamp_min(-1.0)  # -inf for NaN rows, whose maxima have no support
     pivot, step = newton_threshold(_pack_groups(groups, maxima > lower.unsqueeze(-1)), lower)
     y = z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
     if any_bad:
