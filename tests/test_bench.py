@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from flashmax.bench import cli, peers, report
-from flashmax.bench.runner import Record
-from flashmax.bench.workloads import DISTRIBUTIONS, Workload
+from flashmax.bench.runner import Record, Settings
+from flashmax.bench.workloads import (CPU_SWEEP_MAX_FEATURES, CPU_SWEEP_MIN_BYTES, DISTRIBUTIONS, DTYPES,
+                                      GPU_SWEEP_MIN_BYTES, SWEEP_FEATURES, SWEEP_QUICK_FEATURES, Workload,
+                                      sweep_tokens)
 
 TINY = ["bench", "--device", "cpu", "--tokens", "4", "--features", "16", "32", "--quick"]
 TIMES = ("median_us", "p20_us", "p80_us", "floor_us", "ratio_to_floor", "gbps")
@@ -104,3 +106,56 @@ def test_inputs_are_reproducible_fresh_and_not_zero(dist):
     assert torch.equal(x, again) and x.data_ptr() != again.data_ptr()
     assert x.dtype == torch.bfloat16 and x.shape == (4, 16) and x.count_nonzero() > 0
     assert not torch.equal(workload.grad(torch.device("cpu")), x)
+
+
+def sweep_settings(*options: str) -> Settings:
+    parser = cli.build_parser()
+    return cli.settings_from_args(parser.parse_args(["bench", "--sweep", *options]), parser)
+
+
+def test_sweep_widths_and_rows_fill_the_size():
+    assert list(SWEEP_FEATURES) == sorted({2**k for k in range(3, 21)} | {1000, 50257, 128256, 151936, 262144})
+    settings = dataclasses.replace(sweep_settings("--device", "cpu"), features=SWEEP_FEATURES,
+                                   sweep_min_bytes=GPU_SWEEP_MIN_BYTES)  # the GPU's sweep, built on any machine
+    workloads = settings.workloads()
+    assert [(w.dtype, w.features) for w in workloads] == [(d, f) for d in ("fp32", "bf16") for f in SWEEP_FEATURES]
+    for w in workloads:
+        row_bytes = w.features * DTYPES[w.dtype].itemsize
+        assert GPU_SWEEP_MIN_BYTES <= w.tokens * row_bytes < GPU_SWEEP_MIN_BYTES + row_bytes, w  # the fewest rows
+        assert w.tokens == sweep_tokens(w.features, w.dtype, GPU_SWEEP_MIN_BYTES)
+    for dtype in ("fp32", "bf16"):  # each width its own rows: the wider, the fewer
+        tokens = [w.tokens for w in workloads if w.dtype == dtype]
+        assert tokens == sorted(set(tokens), reverse=True)
+
+
+def test_sweep_defaults_on_a_cpu(capsys):
+    settings = sweep_settings("--device", "cpu")
+    assert "sweeping on a smaller scale" in capsys.readouterr().out
+    assert list(settings.features) == [f for f in SWEEP_FEATURES if f <= CPU_SWEEP_MAX_FEATURES]
+    assert 1000 in settings.features and settings.features[0] == 8 and settings.features[-1] == 4096
+    assert settings.sweep_min_bytes == CPU_SWEEP_MIN_BYTES and settings.tokens is None
+    assert list(settings.dtypes) == ["fp32", "bf16"] and list(settings.modes) == ["forward", "backward"]
+    assert list(settings.requested_impls) == ["flashmax"]
+    quick = sweep_settings("--device", "cpu", "--quick", "--dtype", "fp16", "--impls", "torch-sort")
+    assert set(quick.features) < set(settings.features) and list(quick.dtypes) == ["fp16"]
+    assert list(quick.requested_impls) == ["torch-sort"]
+    with pytest.raises(SystemExit):
+        sweep_settings("--device", "cpu", "--tokens", "4")
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--device", "cpu", "--min-bytes", "4096"])
+
+
+def test_sweep_runs_end_to_end(tmp_path):
+    assert cli.main(["bench", "--sweep", "--quick", "--device", "cpu", "--min-bytes", "4096",
+                     "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "bench.json").read_text())["records"]
+    widths = [f for f in SWEEP_QUICK_FEATURES if f <= CPU_SWEEP_MAX_FEATURES]
+    assert sorted((r["dtype"], r["features"], r["mode"]) for r in records) == sorted(
+        (d, f, m) for d in ("fp32", "bf16") for f in widths for m in ("forward", "backward"))
+    for record in records:
+        assert record["impl"] == "flashmax" and record["error"] is None and record["inexact"] is False
+        assert record["tokens"] == sweep_tokens(record["features"], record["dtype"], 4096)
+    assert len({r["tokens"] for r in records}) > 1
+    assert (tmp_path / "bench-sweep.png").read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "bench-forward.png").exists()
+    assert f"| 8 | {sweep_tokens(8, 'bf16', 4096)} |" in (tmp_path / "bench.md").read_text()

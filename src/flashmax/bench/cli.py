@@ -7,10 +7,11 @@ import torch
 
 from . import files, report
 from .peers import NAMES
-from .runner import Settings, run_bench
+from .runner import Settings, format_bytes, run_bench
 from .timing import Budget
-from .workloads import (CPU_FEATURES, CPU_TOKENS, DISTRIBUTIONS, DTYPES, GPU_FEATURES, GPU_QUICK_FEATURES,
-                        GPU_TOKENS, MODES)
+from .workloads import (CPU_FEATURES, CPU_SWEEP_MAX_FEATURES, CPU_SWEEP_MIN_BYTES, CPU_TOKENS, DISTRIBUTIONS, DTYPES,
+                        GPU_FEATURES, GPU_QUICK_FEATURES, GPU_SWEEP_MIN_BYTES, GPU_TOKENS, MODES, SWEEP_FEATURES,
+                        SWEEP_QUICK_FEATURES)
 
 FULL_BUDGET = Budget(gpu_ms=100, cpu_runs=5)
 QUICK_BUDGET = Budget(gpu_ms=20, cpu_runs=3)
@@ -30,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="time sparsemax implementations against a memory-copy floor",
         description="Time sparsemax implementations side by side, each against the floor of a clone "
                     "moving the same bytes; writes bench.json, bench.md and plots to --out.")
-    bench.add_argument("--dtype", dest="dtypes", nargs="+", choices=list(DTYPES), default=["fp32"],
-                       metavar="DTYPE", help=f"input dtypes: {', '.join(DTYPES)} (default: fp32)")
+    bench.add_argument("--dtype", dest="dtypes", nargs="+", choices=list(DTYPES), metavar="DTYPE",
+                       help=f"input dtypes: {', '.join(DTYPES)} (default: fp32; fp32 bf16 with --sweep)")
     bench.add_argument("--features", nargs="+", type=positive_int,
                        help=f"row lengths (default: {' '.join(map(str, GPU_FEATURES))} on a GPU, "
                             f"{' '.join(map(str, CPU_FEATURES))} on a CPU)")
@@ -44,11 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="input values: randn (default), rand, randn0.01 and randn10 (randn scaled), "
                             "ties (multiples of 1/8 in [0, 1))")
     bench.add_argument("--impls", nargs="+", choices=NAMES, metavar="IMPL",
-                       help=f"implementations to run, of {', '.join(NAMES)} (default: all; "
-                            "torch-sort-compiled runs on a CPU only when named here)")
+                       help=f"implementations to run, of {', '.join(NAMES)} (default: all, flashmax alone "
+                            "with --sweep; torch-sort-compiled runs on a CPU only when named here)")
     bench.add_argument("--out", type=Path, default=Path("bench-out"),
                        help="output folder (default: ./bench-out)")
     bench.add_argument("--quick", action="store_true", help="a run of about a minute: fewer features and runs")
+    bench.add_argument("--sweep", action="store_true",
+                       help=f"flashmax's shape coverage: features {SWEEP_FEATURES[0]} to {SWEEP_FEATURES[-1]} "
+                            f"(powers of two and {', '.join(str(f) for f in SWEEP_FEATURES if f & (f - 1))}; "
+                            f"on a CPU up to {CPU_SWEEP_MAX_FEATURES}), each with the rows that fill --min-bytes; "
+                            "plots percent of copy bandwidth to bench-sweep.png")
+    bench.add_argument("--min-bytes", type=positive_int,
+                       help=f"with --sweep: the least bytes of each input tensor (default: "
+                            f"{format_bytes(GPU_SWEEP_MIN_BYTES)} on a GPU, "
+                            f"{format_bytes(CPU_SWEEP_MIN_BYTES)} on a CPU)")
     bench.add_argument("--device", choices=["cuda", "cpu"],
                        help="default: cuda when a GPU is present, else cpu")
     return parser
@@ -58,22 +68,38 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     has_gpu = torch.cuda.is_available()
     if args.device == "cuda" and not has_gpu:
         parser.error("--device cuda: no CUDA GPU is available")
+    if args.sweep and args.tokens:
+        parser.error("--sweep picks the tokens of each width from --min-bytes: drop --tokens")
+    if args.min_bytes and not args.sweep:
+        parser.error("--min-bytes goes with --sweep")
     device = torch.device(args.device or ("cuda" if has_gpu else "cpu"))
-    if device.type == "cuda":
-        tokens, features = GPU_TOKENS, GPU_QUICK_FEATURES if args.quick else GPU_FEATURES
+    where = "No GPU found" if not has_gpu else "On the CPU"
+    tokens, min_bytes = args.tokens, None
+    if args.sweep:
+        features = SWEEP_QUICK_FEATURES if args.quick else SWEEP_FEATURES
+        if device.type == "cuda":
+            min_bytes = args.min_bytes or GPU_SWEEP_MIN_BYTES
+        else:
+            features = tuple(f for f in features if f <= CPU_SWEEP_MAX_FEATURES)
+            min_bytes = args.min_bytes or CPU_SWEEP_MIN_BYTES
+            print(f"{where}: sweeping on a smaller scale (features up to {max(args.features or features)}, "
+                  f"tensors of ≥ {format_bytes(min_bytes)})")
+    elif device.type == "cuda":
+        tokens, features = tokens or GPU_TOKENS, GPU_QUICK_FEATURES if args.quick else GPU_FEATURES
     else:
-        tokens, features = CPU_TOKENS, CPU_FEATURES
-        print(f"{'No GPU found' if not has_gpu else 'On the CPU'}: timing the CPU implementations on a "
-              f"smaller workload ({args.tokens or tokens} tokens × {', '.join(map(str, args.features or features))})")
+        tokens, features = tokens or CPU_TOKENS, CPU_FEATURES
+        print(f"{where}: timing the CPU implementations on a smaller workload "
+              f"({tokens} tokens × {', '.join(map(str, args.features or features))})")
     return Settings(
         device=device,
-        tokens=args.tokens or tokens,
+        tokens=tokens,
         features=args.features or features,
-        dtypes=args.dtypes,
+        dtypes=args.dtypes or (["fp32", "bf16"] if args.sweep else ["fp32"]),
         modes=args.modes,
         dist=args.dist,
-        requested_impls=args.impls,
+        requested_impls=args.impls or (["flashmax"] if args.sweep else None),
         budget=QUICK_BUDGET if args.quick else FULL_BUDGET,
+        sweep_min_bytes=min_bytes,
     )
 
 

@@ -1,4 +1,5 @@
-"""What the run leaves in the output folder: bench.json, bench.md and a plot per mode."""
+"""What the run leaves in the output folder: bench.json, bench.md and a plot per mode, or after a
+sweep one plot of every mode against the copy bandwidth."""
 
 import dataclasses
 import json
@@ -14,8 +15,8 @@ if TYPE_CHECKING:
 
 def write_all(result: "Result", out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    return [write_json(result, out / "bench.json"), write_markdown(result, out / "bench.md"),
-            *write_plots(result, out)]
+    plots = write_sweep_plot(result, out) if result.settings.sweep else write_plots(result, out)
+    return [write_json(result, out / "bench.json"), write_markdown(result, out / "bench.md"), *plots]
 
 
 def _finite_or_none(value):
@@ -47,38 +48,48 @@ def write_markdown(result: "Result", path: Path) -> Path:
     settings = result.settings
     impls = [impl.name for impl in result.impls if impl.available]
     lines = ["# flashmax bench", "", header(result), "",
-             f"Inputs: {settings.tokens} tokens, `{settings.dist}`. Cells: median µs (× floor), on a GPU "
+             f"Inputs: {settings.inputs}, `{settings.dist}`. Cells: median µs (× floor), on a GPU "
              "the GPU time alone (CUDA-graph replay, L2 flushed before each run), elsewhere wall time; "
              "the floor is `x.clone()` timed the same way, scaled to the tensors each mode moves "
              "(forward 2, backward 3, full 5). *inexact*: relative error above 1e-4 (bf16/fp16: above "
              "their eps) against a float64 oracle."]
     for dtype in settings.dtypes:
         for mode in settings.modes:
-            lines += ["", f"## {dtype} {mode}", "", "| features | floor µs | " + " | ".join(impls) + " |",
-                      "|---:|---:|" + "---:|" * len(impls)]
+            tokens = "tokens | " if settings.sweep else ""  # a sweep's rows differ per width
+            lines += ["", f"## {dtype} {mode}", "", f"| features | {tokens}floor µs | " + " | ".join(impls) + " |",
+                      "|---:|---:|" + "---:|" * (len(impls) + bool(tokens))]
             for features in settings.features:
                 group = {r.impl: r for r in result.records if (r.dtype, r.mode, r.features) == (dtype, mode, features)}
                 if group:
                     first = next(iter(group.values()))
                     floor_us = first.floor_graph_us or first.floor_us
                     cells = [cell(group.get(name)) for name in impls]
-                    lines.append(f"| {features} | {fmt(floor_us)} | " + " | ".join(cells) + " |")
+                    tokens = f"{first.tokens} | " if settings.sweep else ""
+                    lines.append(f"| {features} | {tokens}{fmt(floor_us)} | " + " | ".join(cells) + " |")
     if not_run(result):
         lines += ["", "Not run: " + "; ".join(not_run(result)) + "."]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def write_plots(result: "Result", out: Path) -> list[Path]:
-    """bench-MODE.png: time against features on log-log axes, one panel per dtype, floor dashed."""
+def _pyplot():
+    """matplotlib.pyplot drawing to files only, or None (said once) where matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
         print("matplotlib is not installed: no plots")
-        return []
+        return None
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_plots(result: "Result", out: Path) -> list[Path]:
+    """bench-MODE.png: time against features on log-log axes, one panel per dtype, floor dashed."""
+    plt = _pyplot()
+    if plt is None:
+        return []
     settings = result.settings
     paths = []
     for mode in settings.modes:
@@ -87,13 +98,62 @@ def write_plots(result: "Result", out: Path) -> list[Path]:
         for ax, dtype in zip(axes[0], settings.dtypes):
             records = [r for r in result.records if (r.dtype, r.mode) == (dtype, mode)]
             _plot_panel(ax, records)
-            ax.set_title(f"{dtype} {mode} · {settings.tokens} tokens · {settings.dist}")
+            ax.set_title(f"{dtype} {mode} · {settings.inputs} · {settings.dist}")
         figure.tight_layout()
         path = out / f"bench-{mode}.png"
         figure.savefig(path, dpi=120)
         plt.close(figure)
         paths.append(path)
     return paths
+
+
+def write_sweep_plot(result: "Result", out: Path) -> list[Path]:
+    """bench-sweep.png: percent of copy bandwidth (100 × floor / time) against features, one panel per
+    mode, a line per dtype (and per impl where there are several); 100% is the clone's speed."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    settings = result.settings
+    impls = list(dict.fromkeys(r.impl for r in result.records))
+    figure, axes = plt.subplots(1, len(settings.modes), figsize=(8 * len(settings.modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], settings.modes):
+        for impl in impls:
+            for dtype in settings.dtypes:
+                points = [(r.features, _percent_of_copy(r)) for r in result.records
+                          if (r.impl, r.dtype, r.mode) == (impl, dtype, mode) and _percent_of_copy(r)]
+                if points:
+                    ax.plot(*zip(*sorted(points)), "o-", markersize=3,
+                            label=f"{impl} {dtype}" if len(impls) > 1 else dtype)
+        ax.axhline(100, color="k", linestyle="--", linewidth=1, label="copy (clone)")
+        powers = [2**k for k in range(max(min(settings.features), 1).bit_length() - 1,
+                                      max(settings.features).bit_length())]
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(powers, [_short(f) for f in powers], minor=False, fontsize="small")
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("features")
+        ax.set_ylabel("% of copy bandwidth (GPU time where measured)")
+        ax.set_title(f"{mode} · {settings.inputs} · {settings.dist}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    figure.tight_layout()
+    path = out / "bench-sweep.png"
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return [path]
+
+
+def _percent_of_copy(record: "Record") -> float | None:
+    time_us, floor_us = _gpu_or_wall(record)
+    return 100 * floor_us / time_us if time_us else None
+
+
+def _short(features: int) -> str:
+    """A tick label: 512, 1K, 64K, 1M."""
+    for unit, scale in (("M", 2**20), ("K", 2**10)):
+        if features >= scale and features % scale == 0:
+            return f"{features // scale}{unit}"
+    return str(features)
 
 
 def _gpu_or_wall(record: "Record") -> tuple[float | None, float]:

@@ -82,7 +82,7 @@ def tables(result: "Result") -> Iterator[tuple[str, list[tuple[str, ...]]]]:
                 group = [r for r in result.records if (r.dtype, r.mode, r.features) == (dtype, mode, features)]
                 if group:
                     rows += [floor_row(group[0])] + [row(r) for r in group]
-            yield f"{dtype} {mode} · {settings.tokens} tokens · {settings.dist}", rows
+            yield f"{dtype} {mode} · {settings.inputs} · {settings.dist}", rows
 
 
 def header(result: "Result") -> str:

@@ -16,7 +16,7 @@ from flashmax.reference import sparsemax_sort
 from . import peers
 from .report import progress
 from .timing import Budget, Timing, describe_error, measure, measure_graph_replay, peak_extra_mb
-from .workloads import TENSORS_MOVED, Workload
+from .workloads import TENSORS_MOVED, Workload, sweep_tokens
 
 # Datasheet memory bandwidth in bytes/s, matched against the GPU's name.
 DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
@@ -35,16 +35,39 @@ def inexact_above(dtype: torch.dtype) -> float:
 @dataclass(frozen=True)
 class Settings:
     device: torch.device
-    tokens: int
+    tokens: int | None  # None in a sweep: each workload has its own
     features: Sequence[int]
     dtypes: Sequence[str]
     modes: Sequence[str]
     dist: str
     requested_impls: Sequence[str] | None  # None: every implementation
     budget: Budget
+    sweep_min_bytes: int | None = None  # a sweep: rows per workload for input tensors of at least this
+
+    @property
+    def sweep(self) -> bool:
+        return self.sweep_min_bytes is not None
 
     def workloads(self) -> list[Workload]:
-        return [Workload(self.tokens, f, dtype, self.dist) for dtype in self.dtypes for f in self.features]
+        return [Workload(self._tokens(f, dtype), f, dtype, self.dist) for dtype in self.dtypes for f in self.features]
+
+    def _tokens(self, features: int, dtype: str) -> int:
+        return sweep_tokens(features, dtype, self.sweep_min_bytes) if self.sweep else self.tokens
+
+    @property
+    def inputs(self) -> str:
+        """The rows, for titles: a count, or in a sweep how each workload's count is chosen."""
+        if self.sweep:
+            return f"tokens for ≥ {format_bytes(self.sweep_min_bytes)} per tensor"
+        return f"{self.tokens} tokens"
+
+
+def format_bytes(size: int) -> str:
+    """262144 -> '256 KiB'; 67108864 -> '64 MiB'; other sizes in bytes."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
 
 
 @dataclass(frozen=True)
@@ -108,8 +131,10 @@ def run_bench(settings: Settings) -> Result:
             advance(f"{workload.dtype} × {workload.features}: floor")
             clone = workload.input(settings.device).clone
             clone_us = measure(clone, settings.device, settings.budget).median_us
-            clone_graph = measure_graph_replay(clone, settings.device, settings.budget)[0] if settings.device.type == "cuda" else None
-            clone_graph_us = clone_graph.median_us if clone_graph else None
+            clone_graph_us = None
+            if settings.device.type == "cuda":
+                clone_graph = measure_graph_replay(clone, settings.device, settings.budget)[0]
+                clone_graph_us = clone_graph.median_us if clone_graph else None
             oracle = Oracle(workload, settings.device)
             for impl in runnable:
                 for mode in settings.modes:
@@ -242,13 +267,19 @@ def describe_environment(device: torch.device) -> dict:
 
 
 def git_commit() -> str:
-    """HEAD of the checkout flashmax runs from; FLASHMAX_COMMIT where the checkout has no .git
-    (a copy of the tree on a GPU machine); else "unknown"."""
+    """HEAD of the checkout flashmax runs from, with "+dirty" if tracked files are modified;
+    FLASHMAX_COMMIT where the checkout has no .git (a copy of the tree on a GPU machine); else
+    "unknown"."""
     if os.environ.get("FLASHMAX_COMMIT"):
         return os.environ["FLASHMAX_COMMIT"]
+    here = Path(flashmax.__file__).parent
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(flashmax.__file__).parent,
-                              capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                cwd=here, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
