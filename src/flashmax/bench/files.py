@@ -62,7 +62,7 @@ def write_markdown(result: "Result", path: Path) -> Path:
                 group = {r.impl: r for r in result.records if (r.dtype, r.mode, r.features) == (dtype, mode, features)}
                 if group:
                     first = next(iter(group.values()))
-                    floor_us = first.floor_graph_us or first.floor_us
+                    floor_us = _shown_floor(first)
                     cells = [cell(group.get(name)) for name in impls]
                     tokens = f"{first.tokens} | " if settings.sweep else ""
                     lines.append(f"| {features} | {tokens}{fmt(floor_us)} | " + " | ".join(cells) + " |")
@@ -163,10 +163,15 @@ def _gpu_or_wall(record: "Record") -> tuple[float | None, float]:
     return record.median_us, record.floor_us
 
 
+def _shown_floor(record: "Record") -> float:
+    """The floor of a table row or plot: the clone's GPU time where it was measured."""
+    return record.floor_graph_us or record.floor_us
+
+
 def _plot_panel(ax, records: list["Record"]) -> None:
     floors = {r.features: r for r in records}
     features = sorted(floors)
-    ax.plot(features, [floors[f].floor_graph_us or floors[f].floor_us for f in features], "k--",
+    ax.plot(features, [_shown_floor(floors[f]) for f in features], "k--",
             label="floor (clone)")
     if any(floors[f].datasheet_floor_us for f in features):
         ax.plot(features, [floors[f].datasheet_floor_us for f in features], "k:", label="datasheet floor")
