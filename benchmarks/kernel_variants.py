@@ -61,7 +61,6 @@ def rel_error(y, x):
 DISTS = {torch.float32: ("randn", "rand", "randn0.01"), torch.bfloat16: ("randn", "rand")}
 FORWARD_VARIANTS = {
     "default": {},
-    "narrow-sum": {"wide_sum": False},
     "warps/2": {"warps": 0.5},
     "warps*2": {"warps": 2},
 }

@@ -37,30 +37,29 @@ def _add_add_min(total_a, count_a, min_a, total_b, count_b, min_b):
 
 
 @triton.jit
-def _step_sums(z, tau, WIDE_SUM: tl.constexpr):
+def _step_sums(z, tau, centre):
     """One Newton step's sums over a [BLOCK_M, GROUP, WIDTH] tile: for d = z - tau, (sum of
-    d > 0, count of d > 0, smallest d > 0) per row.
+    d - centre over d > 0, count of d > 0, smallest d > 0) per row.
 
     Summing z - tau rather than z keeps the terms small: no cancellation when all of a row lies
-    close together (scales of 1e-3). The step is (sum - 1) / count with sum close to 1, so the
-    sum's rounding error becomes the outputs' relative error: WIDE_SUM accumulates it in fp64,
-    after summing each thread's GROUP entries (axis 1 lies inside a thread) in the compute
-    dtype: at most GROUP - 1 roundings of a partial sum, and one conversion per GROUP entries
-    rather than per entry (fp32 -> fp64 conversions run at 1/8 of the fp32 rate).
+    close together (scales of 1e-3). The step is (sum of d - 1) / count, so the sum's rounding
+    error becomes the outputs' relative error. Near the root every d is close to 1 / count:
+    the terms d - centre, with centre = 1 / (the previous count), are nearly zero and their sum
+    is nearly exact in fp32 (exactly zero for tied rows), without widening to fp64, whose
+    conversions run at 1/8 of the fp32 rate. Axis 1 lies inside a thread, so it goes first.
     """
     d = z - tau[:, None, None]
     support = d > 0
     total, count, smallest = tl.reduce(
-        (tl.maximum(d, 0.0), support.to(z.dtype), tl.where(support, d, float("inf"))), 1,
-        _add_add_min)
-    if WIDE_SUM:
-        total = total.to(tl.float64)
+        (tl.where(support, d - centre[:, None, None], 0.0), support.to(z.dtype),
+         tl.where(support, d, float("inf"))), 1, _add_add_min)
     return tl.reduce((total, count, smallest), 1, _add_add_min)
 
 
 @triton.jit
-def _newton_update(total, count, smallest, pivot, step, done):
-    """Advance (pivot, step, done) by one Newton step from its sums at tau = pivot + step.
+def _newton_update(total, count, smallest, pivot, step, centre, done):
+    """Advance (pivot, step, centre, done) by one Newton step from its sums at
+    tau = pivot + step.
 
     A step is final when every entry of the support it used stays above the new tau, and it
     was small: a large step was computed from z - tau with tau far away, rounded to ~|tau|
@@ -71,38 +70,43 @@ def _newton_update(total, count, smallest, pivot, step, done):
     # No entry above tau (a streamed chunk whose entries are all <= -1, a NaN or padding row):
     # keep tau, which is then already a lower bound at least as good as this subset's.
     has_support = count > 0
-    new_step = tl.where(has_support, (total - 1.0) / count, 0.0).to(pivot.dtype)
+    # sum of d - 1 = total + (count * centre - 1); one fma keeps the small second term exact.
+    excess = total + tl.fma(count, centre, -1.0)
+    new_step = tl.where(has_support, excess / count, 0.0)
     small = tl.abs(new_step) <= tl.abs(tau + new_step)
     pivot = tl.where(done, pivot, tau)
     step = tl.where(done, step, new_step)
+    centre = tl.where(has_support, 1.0 / count, centre)
     done = done | ((smallest > new_step) & small) | ~has_support
-    return pivot, step, done
+    return pivot, step, centre, done
 
 
 @triton.jit
-def _newton_threshold(z, tau, WIDE_SUM: tl.constexpr):
+def _newton_threshold(z, tau):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
     allowed) from lower bounds tau [BLOCK_M]."""
     pivot = tau
     step = tl.zeros_like(tau)
+    centre = tl.zeros_like(tau)
     done = tau != tau
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
-        total, count, smallest = _step_sums(z, pivot + step, WIDE_SUM)
-        pivot, step, done = _newton_update(total, count, smallest, pivot, step, done)
+        total, count, smallest = _step_sums(z, pivot + step, centre)
+        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
+                                                   done)
         pending = tl.sum((~done).to(tl.int32), axis=0)
     return pivot, step
 
 
 @triton.jit
-def _tile_threshold(z, group_z, GROUP: tl.constexpr, WIDE_SUM: tl.constexpr):
+def _tile_threshold(z, group_z, GROUP: tl.constexpr):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0,
     starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH]."""
     tau = tl.full([z.shape[0]], -1.0, z.dtype)
     if GROUP > 1:
-        pivot, step = _newton_threshold(tl.expand_dims(group_z, 1), tau, False)
+        pivot, step = _newton_threshold(tl.expand_dims(group_z, 1), tau)
         tau = pivot + step
-    return _newton_threshold(z, tau, WIDE_SUM)
+    return _newton_threshold(z, tau)
 
 
 @triton.jit
@@ -160,7 +164,7 @@ def sparsemax_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """BLOCK_M whole rows per program, held in registers: one read, one write."""
     block = tl.program_id(0)
@@ -172,7 +176,7 @@ def sparsemax_forward_kernel(
     group_max = _group_max(x)
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
-    pivot, step = _tile_threshold(z, group_max - row_max[:, None], GROUP, WIDE_SUM)
+    pivot, step = _tile_threshold(z, group_max - row_max[:, None], GROUP)
     y = _sparsemax_tile(z, pivot, step, _is_bad(row_max))
     y_off, _ = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
                             y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
@@ -184,7 +188,7 @@ def sparsemax_forward_streamed_kernel(
     X, Y, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One row per program, streamed CHUNK entries at a time: a pass for the max, a pass for
     the best chunk's exact tau (a lower bound on the row's), a pass per Newton step, and a pass
@@ -206,24 +210,26 @@ def sparsemax_forward_streamed_kernel(
                                  x_stride_n, 1, GROUP, WIDTH, WIDE)
         x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
         z = x - row_max[:, None, None]
-        pivot, step = _tile_threshold(z, _group_max(x) - row_max[:, None], GROUP, False)
+        pivot, step = _tile_threshold(z, _group_max(x) - row_max[:, None], GROUP)
         tau = tl.maximum(tau, pivot + step)
 
     pivot = tau
     step = tl.zeros_like(tau)
+    centre = tl.zeros_like(tau)
     done = bad
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
-        total = tl.zeros([1], tl.float64 if WIDE_SUM else compute)
+        total = tl.zeros([1], compute)
         count = tl.zeros([1], compute)
         smallest = tl.full([1], float("inf"), compute)
         for start in range(0, n, CHUNK):
             off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer,
                                      x_stride_inner, x_stride_n, 1, GROUP, WIDTH, WIDE)
             z = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
-            chunk = _step_sums(z - row_max[:, None, None], pivot + step, WIDE_SUM)
+            chunk = _step_sums(z - row_max[:, None, None], pivot + step, centre)
             total, count, smallest = _add_add_min(total, count, smallest, *chunk)
-        pivot, step, done = _newton_update(total, count, smallest, pivot, step, done)
+        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
+                                                   done)
         pending = tl.sum((~done).to(tl.int32), axis=0)
 
     for start in range(0, n, CHUNK):
@@ -397,7 +403,7 @@ def _rows(x: torch.Tensor, out, dim: int, chunk):
 
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, wide_sum=True, chunk=None) -> torch.Tensor:
+                      block_m=None, chunk=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks. The
@@ -412,14 +418,14 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
         group = group_size(block_n, x.element_size(), num_warps, group)
         sparsemax_forward_streamed_kernel[(n_rows,)](
             x, y, n_rows, n, inner, *x_strides, *y_strides,
-            CHUNK=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum, num_warps=num_warps,
+            CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps,
         )
         return y
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     group = group_size(block_n, x.element_size(), num_warps, group)
     sparsemax_forward_kernel[(-(-n_rows // block_m),)](
         x, y, n_rows, n, inner, *x_strides, *y_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide,
         num_warps=num_warps,
     )
     return y
