@@ -70,7 +70,11 @@ def forward_launcher(module, config, rows, n):
     """The forward of `module` (a kernels module) with a variant's overrides for rows of n."""
     config = dict(config)
     if "warps" in config:
-        warps = module.launch_config(rows, n)[2] * config.pop("warps")
+        try:
+            default_warps = module.launch_config(rows, n, newton=True)[2]
+        except TypeError:  # a baseline from before the forward had its own warp heuristic
+            default_warps = module.launch_config(rows, n)[2]
+        warps = default_warps * config.pop("warps")
         if not 1 <= warps <= 16:
             return None
         config["num_warps"] = int(warps)
@@ -136,6 +140,8 @@ def main():
                         help="only the eager forward + backward against torch.softmax")
     parser.add_argument("--baseline", metavar="FILE",
                         help="an earlier kernels module to time as variant 'baseline'")
+    parser.add_argument("--variants-on-shapes", action="store_true",
+                        help="time every variant on --shapes, not the default kernel only")
     parser.add_argument("--shapes", nargs="+", metavar="ROWSxN",
                         help="shapes to time with the default kernel only, e.g. 512x131072")
     args = parser.parse_args()
@@ -154,7 +160,7 @@ def main():
                 inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
                 floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
                 variants = FORWARD_VARIANTS
-                if dtype != torch.float32 or args.shapes:
+                if dtype != torch.float32 or (args.shapes and not args.variants_on_shapes):
                     variants = {"default": {}}
                 launchers = {name: forward_launcher(kernels, config, rows, n)
                              for name, config in variants.items()}

@@ -29,6 +29,11 @@ MAX_BLOCK_N = {torch.float64: 16384}
 DEFAULT_MAX_BLOCK_N = 32768
 ELEMENTS_PER_PROGRAM = 2048  # short rows are batched BLOCK_M at a time up to this many elements
 ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer add latency
+# The forward's rows shorter than this are spread over up to 4 warps: with one warp a thread
+# would carry the Newton state of 16-32 rows (255 registers, few programs per SM). Measured on an
+# H200 (benchmarks/NOTES.md, v8): faster below 256 entries, slower at 256.
+SHORT_ROW = 256
+SHORT_ROW_ENTRIES_PER_THREAD = 16
 
 
 @triton.jit
@@ -362,13 +367,16 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def launch_config(n_rows: int, n: int, num_warps=None, block_m=None):
-    """(BLOCK_M, BLOCK_N, num_warps): rows per program, padded row width, warps."""
+def launch_config(n_rows: int, n: int, num_warps=None, block_m=None, newton=False):
+    """(BLOCK_M, BLOCK_N, num_warps): rows per program, padded row width, warps. `newton`:
+    for the forward, whose per-row state takes registers too."""
     block_n = _next_power_of_2(n)
     if block_m is None:
         block_m = max(1, min(_next_power_of_2(n_rows), ELEMENTS_PER_PROGRAM // block_n))
+    elements = block_m * block_n
+    if num_warps is None and newton and block_n < SHORT_ROW:
+        num_warps = max(1, min(4, elements // (32 * SHORT_ROW_ENTRIES_PER_THREAD)))
     if num_warps is None:
-        elements = block_m * block_n
         # Measured on an H200 (benchmarks/NOTES.md): 128 entries per thread, but two warps
         # from 4096 entries on.
         num_warps = min(16, max(1, elements // (32 * ELEMENTS_PER_THREAD), min(2, elements // 2048)))
@@ -421,7 +429,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
             CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps,
         )
         return y
-    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
+    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton=True)
     group = group_size(block_n, x.element_size(), num_warps, group)
     sparsemax_forward_kernel[(-(-n_rows // block_m),)](
         x, y, n_rows, n, inner, *x_strides, *y_strides,
