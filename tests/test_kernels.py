@@ -84,9 +84,12 @@ def test_forward_fp64():
     "config",
     [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"block_m": 4},
      {"num_warps": 1}, {"num_warps": 2}, {"chunk": 256},
-     {"chunk": 128, "group": 1}],
+     {"chunk": 128, "group": 1}, {"chunk": 256, "split": True},
+     {"chunk": 128, "split": True, "group": 1}, {"chunk": 128, "split": True, "split_passes": 1},
+     {"chunk": 256, "split": True, "split_passes": 0}],
     ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
-         "two-warps", "streamed", "streamed-no-groups"],
+         "two-warps", "streamed", "streamed-no-groups", "split", "split-no-groups",
+         "split-one-newton-pass", "split-fallback"],
 )
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 def test_every_launch_path_is_exact(config, dist):
@@ -94,12 +97,16 @@ def test_every_launch_path_is_exact(config, dist):
     assert_close_to_oracle(forward(x, **config).cpu(), x.cpu(), -1, rtol=1e-6)
 
 
-def test_streamed_chunks_without_candidates():
+@pytest.mark.parametrize("config", [{"split": False}, {"split": True},
+                                    {"split": True, "split_passes": 0}],
+                         ids=["streamed", "split", "split-fallback"])
+def test_chunks_without_candidates(config):
     # Whole chunks below max - 1 hold no support: they must neither stall nor bias the bound.
     x = make("randn", ROWS, 1000, seed=18)
     x[:, :512] -= 10
     x[:, 700:] -= 10
-    assert_close_to_oracle(forward(x, chunk=128).cpu(), x.cpu(), -1, rtol=1e-6)
+    y = forward(x, chunk=128, **config)
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
 
 
 def test_short_rows_share_a_program():
@@ -115,7 +122,8 @@ def test_every_dim_without_copy(dim):
     assert_close_to_oracle(forward(x, dim).cpu(), x.cpu(), dim, rtol=1e-6)
 
 
-@pytest.mark.parametrize("config", [{}, {"chunk": 64}], ids=["in-registers", "streamed"])
+@pytest.mark.parametrize("config", [{}, {"chunk": 64}, {"chunk": 64, "split": True}],
+                         ids=["in-registers", "streamed", "split"])
 def test_strided_views(config):
     base = make("randn", 2 * ROWS, 3 * 100, seed=6).reshape(2 * ROWS, 3, 100)
     for view, dim in [
@@ -127,7 +135,9 @@ def test_strided_views(config):
         assert_close_to_oracle(forward(view, dim, **config).cpu(), view.cpu(), dim, rtol=1e-6)
 
 
-@pytest.mark.parametrize("config", [{}, {"chunk": 16}], ids=["in-registers", "streamed"])
+@pytest.mark.parametrize("config", [{}, {"chunk": 16}, {"chunk": 16, "split": True},
+                                    {"chunk": 16, "split": True, "split_passes": 0}],
+                         ids=["in-registers", "streamed", "split", "split-fallback"])
 def test_bad_rows_are_nan_and_leave_others_alone(config):
     x = make("randn", 6, 40, seed=7)
     x[0, 3] = torch.nan
@@ -147,7 +157,7 @@ def test_deterministic():
     assert torch.equal(forward(x), forward(x))
 
 
-@pytest.mark.parametrize("chunk", [None, 64], ids=["in-registers", "streamed"])
+@pytest.mark.parametrize("chunk", [None, 64], ids=["in-registers", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("n", [5, 1000])
 def test_backward_matches_formula(dtype, n, chunk):

@@ -14,17 +14,18 @@ Every step is a chain of reductions whose latency, not the arithmetic, bounds sh
 the launch heuristics give each row as few warps as its registers allow (one warp up to 2048
 entries), so that most reductions are warp shuffles and many rows are in flight per SM.
 
-Rows longer than MAX_BLOCK_N are streamed in chunks by one program each: correct and free of
-host synchronisation (CUDA-graph capturable), but several passes over memory (issue 5 is
-about making them fast).
+Rows longer than MAX_BLOCK_N are split into chunks, one program each, and the programs of a
+row meet through a few scalars per chunk in a small scratch: a pass for every chunk's max and
+exact tau (the best is a lower bound on the row's), Newton passes, a writing pass. Exact, free
+of host synchronisation (CUDA-graph capturable), but several reads of the row.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-# Rows up to this many entries are held in one program's registers; longer rows are streamed
-# in chunks of this size (several passes over memory, but no host synchronisation).
+# Rows up to this many entries are held in one program's registers; longer rows are split into
+# chunks of this size (several passes over memory, but no host synchronisation).
 MAX_BLOCK_N = {torch.float64: 16384}
 DEFAULT_MAX_BLOCK_N = 32768
 ELEMENTS_PER_PROGRAM = 2048  # short rows are batched BLOCK_M at a time up to this many elements
@@ -34,6 +35,16 @@ ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer
 # H200 (benchmarks/NOTES.md, v8): faster below 256 entries, slower at 256.
 SHORT_ROW = 256
 SHORT_ROW_ENTRIES_PER_THREAD = 16
+# Rows longer than one program's registers are split over programs, one chunk each, that
+# communicate through a small scratch: per chunk PART_SIZE partial results, per row the Newton
+# state. Programs are numbered row * n_splits + split.
+PART_SIZE = tl.constexpr(3)
+STATE_SIZE = tl.constexpr(5)
+STATE_MAX, STATE_PIVOT, STATE_STEP, STATE_CENTRE, STATE_DONE = (tl.constexpr(i) for i in range(5))
+SPLIT_NEWTON_PASSES = 8  # then the rows still open are finished by the streamed kernel
+# Rows are split only when there are too few to occupy the GPU one program per row: a streamed
+# program re-reads its row from L2, split passes read every row from memory again.
+SPLIT_ROWS_PER_SM = 0.5
 
 
 @triton.jit
@@ -190,17 +201,19 @@ def sparsemax_forward_kernel(
 
 @triton.jit
 def sparsemax_forward_streamed_kernel(
-    X, Y, n_rows, n, inner,
+    X, Y, STATE, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """One row per program, streamed CHUNK entries at a time: a pass for the max, a pass for
-    the best chunk's exact tau (a lower bound on the row's), a pass per Newton step, and a pass
-    that writes."""
+    """Rows too long for registers, one program each, or the split rows that the split passes
+    left open (STATE done = 0; every loop is empty for the other rows), streamed CHUNK entries
+    at a time: a pass for the max, a pass for the best chunk's exact tau (a lower bound on the
+    row's), a pass per Newton step, a pass that writes (while the row stays in L2)."""
     row = tl.program_id(0)
     WIDTH: tl.constexpr = CHUNK // GROUP
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    n = tl.where(tl.load(STATE + row * STATE_SIZE + STATE_DONE) != 0, 0, n)
     row_max = tl.full([1], -float("inf"), compute)
     for start in range(0, n, CHUNK):
         off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
@@ -248,6 +261,121 @@ def sparsemax_forward_streamed_kernel(
 
 
 @triton.jit
+def _split_chunk(pid, n_splits, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+                 CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
+    """Program pid's row, and the offsets and mask of its chunk as a [1, GROUP, WIDTH] tile."""
+    row = pid // n_splits
+    off, mask = _row_offsets(row, (pid % n_splits) * CHUNK, n_rows, n, inner, stride_outer,
+                             stride_inner, stride_n, 1, GROUP, CHUNK // GROUP, WIDE)
+    return row, off, mask
+
+
+@triton.jit
+def _split_state(STATE, row, index):
+    return tl.load(STATE + row * STATE_SIZE + index + tl.arange(0, 1))
+
+
+@triton.jit
+def sparsemax_split_bounds_kernel(
+    X, PART, n_splits, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
+):
+    """Split pass 1: each chunk's max and the exact tau of the chunk alone (relative to that
+    max), a lower bound on the row's tau."""
+    pid = tl.program_id(0)
+    _, off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
+                                x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)
+    x = tl.load(X + off, mask=mask, other=-float("inf"))
+    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
+    group_max = _group_max(x)
+    chunk_max = _row_max(group_max)
+    pivot, step = _tile_threshold(x - chunk_max[:, None, None], group_max - chunk_max[:, None],
+                                  GROUP)
+    one = tl.arange(0, 1)
+    tl.store(PART + pid * PART_SIZE + one, chunk_max)
+    tl.store(PART + pid * PART_SIZE + 1 + one, pivot + step)
+
+
+@triton.jit
+def sparsemax_split_combine_kernel(PART, STATE, n_splits, SPLITS: tl.constexpr,
+                                   FIRST: tl.constexpr):
+    """One program per row. FIRST: the row's max and the best chunk bound start the Newton
+    state. Otherwise: one Newton step from the chunks' sums."""
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS)
+    part = PART + (row * n_splits + splits) * PART_SIZE
+    valid = splits < n_splits
+    state = STATE + row * STATE_SIZE
+    if FIRST:
+        chunk_max = tl.load(part, mask=valid, other=-float("inf"))
+        row_max = tl.reduce(chunk_max, 0, _nan_max)
+        # A chunk's tau in the row's coordinates; chunks with no finite entry bound nothing.
+        chunk_tau = (chunk_max - row_max) + tl.load(part + 1, mask=valid, other=0.0)
+        tau = tl.max(tl.where(chunk_max > -float("inf"), chunk_tau, -1.0), axis=0)
+        tl.store(state + STATE_MAX, row_max)
+        tl.store(state + STATE_PIVOT, tl.maximum(tau, -1.0))
+        tl.store(state + STATE_STEP, 0.0)
+        tl.store(state + STATE_CENTRE, 0.0)
+        tl.store(state + STATE_DONE, _is_bad(row_max).to(chunk_max.dtype))
+    else:
+        total = tl.sum(tl.load(part, mask=valid, other=0.0), axis=0)
+        count = tl.sum(tl.load(part + 1, mask=valid, other=0.0), axis=0)
+        smallest = tl.min(tl.load(part + 2, mask=valid, other=float("inf")), axis=0)
+        done = tl.load(state + STATE_DONE) != 0
+        pivot, step, centre, done = _newton_update(
+            total, count, smallest, tl.load(state + STATE_PIVOT), tl.load(state + STATE_STEP),
+            tl.load(state + STATE_CENTRE), done)
+        tl.store(state + STATE_PIVOT, pivot)
+        tl.store(state + STATE_STEP, step)
+        tl.store(state + STATE_CENTRE, centre)
+        tl.store(state + STATE_DONE, done.to(total.dtype))
+
+
+@triton.jit
+def sparsemax_split_sums_kernel(
+    X, PART, STATE, n_splits, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
+):
+    """A split Newton pass: each chunk's sums at its row's tau (nothing read for rows done)."""
+    pid = tl.program_id(0)
+    row, off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
+                                  x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)
+    done = _split_state(STATE, row, STATE_DONE) != 0
+    x = tl.load(X + off, mask=mask & ~done[:, None, None], other=-float("inf"))
+    z = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
+    z = z - _split_state(STATE, row, STATE_MAX)[:, None, None]
+    tau = _split_state(STATE, row, STATE_PIVOT) + _split_state(STATE, row, STATE_STEP)
+    total, count, smallest = _step_sums(z, tau, _split_state(STATE, row, STATE_CENTRE))
+    one = tl.arange(0, 1)
+    tl.store(PART + pid * PART_SIZE + one, total)
+    tl.store(PART + pid * PART_SIZE + 1 + one, count)
+    tl.store(PART + pid * PART_SIZE + 2 + one, smallest)
+
+
+@triton.jit
+def sparsemax_split_write_kernel(
+    X, Y, STATE, n_splits, n_rows, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
+):
+    """The split rows' outputs, for the rows whose tau is final (the others are left to the
+    streamed fallback)."""
+    pid = tl.program_id(0)
+    row, x_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
+                                    x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)
+    _, y_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                               y_stride_inner, y_stride_n, CHUNK, GROUP, WIDE)
+    mask = mask & (_split_state(STATE, row, STATE_DONE) != 0)[:, None, None]
+    x = tl.load(X + x_off, mask=mask, other=-float("inf"))
+    row_max = _split_state(STATE, row, STATE_MAX)
+    z = x.to(row_max.dtype) - row_max[:, None, None]
+    y = _sparsemax_tile(z, _split_state(STATE, row, STATE_PIVOT),
+                        _split_state(STATE, row, STATE_STEP), _is_bad(row_max))
+    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _add_add(total_a, count_a, total_b, count_b):
     return total_a + total_b, count_a + count_b
 
@@ -291,38 +419,53 @@ def sparsemax_backward_kernel(
 
 
 @triton.jit
-def sparsemax_backward_streamed_kernel(
-    Yp, G, DX, n_rows, n, inner,
+def sparsemax_split_backward_sums_kernel(
+    Yp, G, PART, n_splits, n_rows, n, inner,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    g_stride_outer, g_stride_inner, g_stride_n,
+    CHUNK: tl.constexpr, WIDE: tl.constexpr,
+):
+    """Split backward pass 1: each chunk's sum of g over the support, and its size."""
+    pid = tl.program_id(0)
+    _, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                  y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
+    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
+                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    total, count = _support_sums(y, g)
+    tl.store(PART + pid * PART_SIZE + tl.arange(0, 1), total)
+    tl.store(PART + pid * PART_SIZE + 1 + tl.arange(0, 1), count)
+
+
+@triton.jit
+def sparsemax_split_backward_kernel(
+    Yp, G, DX, PART, n_splits, n_rows, n, inner,
     y_stride_outer, y_stride_inner, y_stride_n,
     g_stride_outer, g_stride_inner, g_stride_n,
     dx_stride_outer, dx_stride_inner, dx_stride_n,
-    CHUNK: tl.constexpr, WIDE: tl.constexpr,
+    SPLITS: tl.constexpr, CHUNK: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """The same, one row per program streamed CHUNK entries at a time: a pass for the support's
-    sum and count, a pass that writes."""
-    row = tl.program_id(0)
+    """Split backward pass 2: every program adds up its row's chunk sums (the same sum in the
+    same order in each) and writes its chunk of dx."""
+    pid = tl.program_id(0)
+    row, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                    y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
+    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
+                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
+    _, dx_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, dx_stride_outer,
+                                dx_stride_inner, dx_stride_n, CHUNK, 1, WIDE)
+    splits = tl.arange(0, SPLITS)
+    part = PART + (row * n_splits + splits) * PART_SIZE
+    valid = splits < n_splits
+    total = tl.sum(tl.load(part, mask=valid, other=0.0), axis=0)
+    count = tl.sum(tl.load(part + 1, mask=valid, other=0.0), axis=0)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
-    total = tl.zeros([1], compute)
-    count = tl.zeros([1], compute)
-    for start in range(0, n, CHUNK):
-        y_off, mask = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                   y_stride_n, 1, 1, CHUNK, WIDE)
-        g_off, _ = _row_offsets(row, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                                g_stride_n, 1, 1, CHUNK, WIDE)
-        y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
-        total, count = _add_add(total, count, *_support_sums(y, g))
-    for start in range(0, n, CHUNK):
-        y_off, mask = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                   y_stride_n, 1, 1, CHUNK, WIDE)
-        g_off, _ = _row_offsets(row, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                                g_stride_n, 1, 1, CHUNK, WIDE)
-        y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
-        dx = _backward_tile(y, g, total / count)
-        dx_off, _ = _row_offsets(row, start, n_rows, n, inner, dx_stride_outer,
-                                 dx_stride_inner, dx_stride_n, 1, 1, CHUNK, WIDE)
-        tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    mean = tl.full([1], 0.0, compute) + total / count
+    tl.store(DX + dx_off, _backward_tile(y, g, mean).to(DX.dtype.element_ty), mask=mask)
 
 
 def _merge(sizes, strides):
@@ -402,7 +545,7 @@ def _wide(n: int, *stride_ns: int) -> bool:
 
 def _rows(x: torch.Tensor, out, dim: int, chunk):
     """Common launch set-up: the output, x (copied only if it has no strided row view), row
-    count, row length, their strides, and the chunk that decides in-register or streamed."""
+    count, row length, their strides, and the chunk that decides in-register or split."""
     y = x.new_empty(x.shape) if out is None else out
     x, (outer, inner, x_strides) = _strided(x, dim)
     _, _, y_strides = rows_view(y, dim)
@@ -410,24 +553,74 @@ def _rows(x: torch.Tensor, out, dim: int, chunk):
     return y, x, outer * inner, x.shape[dim], inner, x_strides, y_strides, chunk
 
 
+def _split_launch(n_rows: int, n: int, chunk: int, num_warps, x: torch.Tensor):
+    """(grid, n_splits, CHUNK, num_warps, partial results' scratch) of a split launch."""
+    _, block_n, num_warps = launch_config(1, chunk, num_warps, 1, newton=True)
+    n_splits = -(-n // block_n)
+    part = torch.empty((n_rows * n_splits, PART_SIZE.value), device=x.device,
+                       dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return (n_rows * n_splits,), n_splits, block_n, num_warps, part
+
+
+def _split_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group, num_warps, wide,
+                   passes):
+    grid, n_splits, block_n, num_warps, part = _split_launch(n_rows, n, chunk, num_warps, x)
+    group = group_size(block_n, x.element_size(), num_warps, group)
+    state = part.new_empty((n_rows, STATE_SIZE.value))
+    rows = (n_splits, n_rows, n, inner)
+    tile = dict(CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps)
+    combine = dict(SPLITS=_next_power_of_2(n_splits), num_warps=1)
+    sparsemax_split_bounds_kernel[grid](x, part, *rows, *x_strides, **tile)
+    sparsemax_split_combine_kernel[(n_rows,)](part, state, n_splits, FIRST=True, **combine)
+    for _ in range(passes):
+        sparsemax_split_sums_kernel[grid](x, part, state, *rows, *x_strides, **tile)
+        sparsemax_split_combine_kernel[(n_rows,)](part, state, n_splits, FIRST=False, **combine)
+    sparsemax_split_write_kernel[grid](x, y, state, *rows, *x_strides, *y_strides, **tile)
+    sparsemax_forward_streamed_kernel[(n_rows,)](x, y, state, *rows[1:], *x_strides,
+                                                   *y_strides, **tile)
+
+
+def _streamed_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group, num_warps,
+                      wide):
+    _, block_n, num_warps = launch_config(1, chunk, num_warps, 1, newton=True)
+    group = group_size(block_n, x.element_size(), num_warps, group)
+    open_rows = torch.zeros((n_rows, STATE_SIZE.value), device=x.device)  # done = 0: every row
+    sparsemax_forward_streamed_kernel[(n_rows,)](
+        x, y, open_rows, n_rows, n, inner, *x_strides, *y_strides,
+        CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the Triton interpreter: tests choose the path with `split=`
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, chunk=None) -> torch.Tensor:
+                      block_m=None, chunk=None, split=None, split_passes=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
-    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks. The
-    other keyword arguments override the launch heuristics (for benchmarks and tests).
+    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed by one program
+    each, or, when `split` (default: fewer rows than SPLIT_ROWS_PER_SM per multiprocessor),
+    split into chunks of that size, one program each: a pass for the chunks' bounds, up to
+    `split_passes` Newton passes (default SPLIT_NEWTON_PASSES), a writing pass, and the
+    streamed kernel for the rows still open. The other keyword arguments override the launch
+    heuristics (benchmarks, tests).
     """
     if x.numel() == 0:
         return x.new_empty(x.shape) if out is None else out
     y, x, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
-        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
-        group = group_size(block_n, x.element_size(), num_warps, group)
-        sparsemax_forward_streamed_kernel[(n_rows,)](
-            x, y, n_rows, n, inner, *x_strides, *y_strides,
-            CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps,
-        )
+        if split is None:
+            split = n_rows < SPLIT_ROWS_PER_SM * _multiprocessors(x.device)
+        if split:
+            _split_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group,
+                           num_warps, wide,
+                           SPLIT_NEWTON_PASSES if split_passes is None else split_passes)
+        else:
+            _streamed_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group,
+                              num_warps, wide)
         return y
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton=True)
     group = group_size(block_n, x.element_size(), num_warps, group)
@@ -446,14 +639,19 @@ def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, 
         return y.new_empty(y.shape) if out is None else out
     dx, y, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
     grad, (_, _, g_strides) = _strided(grad, dim)
-    args = (y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides)
     wide = _wide(n, y_strides[2], g_strides[2], dx_strides[2])
     if n > chunk:
-        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
-        sparsemax_backward_streamed_kernel[(n_rows,)](
-            *args, CHUNK=block_n, WIDE=wide, num_warps=num_warps)
+        grid, n_splits, block_n, num_warps, part = _split_launch(n_rows, n, chunk, num_warps, y)
+        rows = (n_splits, n_rows, n, inner)
+        tile = dict(CHUNK=block_n, WIDE=wide, num_warps=num_warps)
+        sparsemax_split_backward_sums_kernel[grid](y, grad, part, *rows, *y_strides, *g_strides,
+                                                   **tile)
+        sparsemax_split_backward_kernel[grid](y, grad, dx, part, *rows, *y_strides, *g_strides,
+                                              *dx_strides, SPLITS=_next_power_of_2(n_splits),
+                                              **tile)
         return dx
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     sparsemax_backward_kernel[(-(-n_rows // block_m),)](
-        *args, BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, num_warps=num_warps)
+        y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides,
+        BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, num_warps=num_warps)
     return dx
