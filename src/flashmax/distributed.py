@@ -146,6 +146,12 @@ def agree(x, dim, comm: Collectives) -> tuple[int, int, list[int]]:
 # ----------------------------------------------------------------------------------------------
 
 
+def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t as (rows, width) with dim last; width 0 allowed (a rank without features)."""
+    others = t.shape[:dim] + t.shape[dim + 1:]
+    return t.movedim(dim, -1).reshape(math.prod(others), t.shape[dim])
+
+
 class TorchShard:
     """One rank's slice as (rows, width) in the compute dtype; the same interface as
     `flashmax.kernels.distributed.TritonShard`."""
@@ -153,8 +159,7 @@ class TorchShard:
     def __init__(self, x: torch.Tensor, dim: int):
         self.x, self.dim = x, dim
         self.ctype = compute_dtype(x.dtype)
-        width = x.shape[dim]
-        self.rows = x.movedim(dim, -1).reshape(-1, width).to(self.ctype)
+        self.rows = _as_rows(x, dim).to(self.ctype)
 
     def row_max(self) -> torch.Tensor:
         if not self.rows.shape[1]:
@@ -175,10 +180,11 @@ class TorchShard:
         row's tau at each point (NaN: a finished row, whose results are ignored)."""
         d = self.z - taus.unsqueeze(-1)
         support = d > 0
-        total = d.clamp_min(0).sum(-1, dtype=torch.float64)
-        count = support.sum(-1, dtype=torch.float64)
+        # Summed in the compute dtype, as the single-device CPU path (torch sums pairwise).
+        total = d.clamp_min(0).sum(-1)
+        count = support.sum(-1)
         smallest = torch.where(support, d, torch.inf).amin(-1) if d.shape[-1] else total + torch.inf
-        return torch.stack([total, count, smallest.double()], 1)
+        return torch.stack([total.double(), count.double(), smallest.double()], 1)
 
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         y = self.z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
@@ -190,10 +196,10 @@ class TorchShard:
 def torch_support_sums(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
     """[2, rows] float64: sum of grad and count over the support y > 0 of each row."""
     ctype = compute_dtype(y.dtype)
-    y_rows, g_rows = (t.movedim(dim, -1).reshape(-1, y.shape[dim]).to(ctype) for t in (y, grad))
+    y_rows, g_rows = (_as_rows(t, dim).to(ctype) for t in (y, grad))
     support = y_rows > 0
-    total = torch.where(support, g_rows, 0).sum(-1, dtype=torch.float64)
-    return torch.stack([total, support.sum(-1, dtype=torch.float64)])
+    total = torch.where(support, g_rows, 0).sum(-1)
+    return torch.stack([total.double(), support.sum(-1).double()])
 
 
 def torch_backward_write(y: torch.Tensor, grad: torch.Tensor, mean: torch.Tensor, dim: int):
