@@ -100,8 +100,8 @@ def _slice_bounds(features, rank, world):
 def run(args, group) -> dict:
     """Every rank's part of the benchmark; rank 0 writes and returns the record."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
+    on_gpu = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = DTYPES[args.dtype]
     generator = torch.Generator(device).manual_seed(0)
     x = torch.randn(args.rows, args.features, generator=generator, device=device).to(dtype)

@@ -122,13 +122,18 @@ def adversarial_rows(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 @case(2, 4)
 def every_dim_dtype_and_split(rank, world):
-    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    # 4 processes share 2 cores in CI: world 4 runs a subset (the same code paths).
+    halves = (torch.float16, torch.bfloat16) if world == 2 else ()
+    kinds = (("randn", 1), ("ties", 2), ("near_max", 3), ("spike", 4))[::1 if world == 2 else 3]
+    # world 4: the splits with a 1-feature rank and with a 0-feature rank
+    chosen_splits = splits(23, world) if world == 2 else splits(23, world)[1::2]
+    for dtype in (torch.float32, torch.float64, *halves):
         for dim in range(3):
             shape = [3, 4, 2]
             shape[dim] = 23
-            for kind, seed in (("randn", 1), ("ties", 2), ("near_max", 3), ("spike", 4)):
+            for kind, seed in kinds:
                 x = make_input(shape, dim, dtype, seed=seed + 10 * dim, kind=kind, mask_p=0.2)
-                for widths in splits(23, world):
+                for widths in chosen_splits:
                     check_split(x, dim, widths, f"{dtype} dim={dim} {kind} widths={widths}")
 
 
@@ -183,14 +188,12 @@ def triton_kernels_under_the_interpreter(rank, world):
 
     x = adversarial_rows(19, torch.float32)[[0, 3, 6, 7, 10, 12, 14]]
     xt = make_input((2, 19, 3), 1, torch.float32, seed=3, kind="near_max")
-    for data, dim, widths in ((x, 1, [1, 18]), (x, 1, [11, 8]), (xt, 1, [0, 19]), (xt, 1, [7, 12])):
-        x_local = my_slice(data, dim, widths)
-        for cap in (None, 0):
-            local = kernels.TritonShard(x_local, dim, chunk=8)
-            y_local, _ = distributed.sharded_forward(
-                x_local, dim, distributed.Collectives(WORLD), data.shape[dim], local=local,
-                cap=cap)
-            check_against_oracle(whole(y_local, dim), data, dim)
+    for data, widths, cap in ((x, [1, 18], None), (x, [11, 8], 0), (xt, [0, 19], None)):
+        x_local = my_slice(data, 1, widths)
+        local = kernels.TritonShard(x_local, 1, chunk=8)
+        y_local, _ = distributed.sharded_forward(
+            x_local, 1, distributed.Collectives(WORLD), data.shape[1], local=local, cap=cap)
+        check_against_oracle(whole(y_local, 1), data, 1)
 
 
 @case(2)

@@ -32,7 +32,7 @@ def _chunk_z(X, ROW_MAX, row, chunk, n_rows, n, inner, stride_outer, stride_inne
                              stride_n, 1, GROUP, CHUNK // GROUP, WIDE)
     row_max = tl.load(ROW_MAX + row + tl.arange(0, 1))
     x = tl.load(X + off, mask=mask & active, other=-float("inf")).to(row_max.dtype)
-    return x - row_max[:, None, None], off, mask
+    return x - row_max[:, None, None], mask
 
 
 @triton.jit
@@ -40,9 +40,9 @@ def shard_bound_kernel(X, ROW_MAX, BOUND, n_rows, n, inner, stride_outer, stride
                        CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
     """BOUND[row, chunk]: the exact tau of the chunk (a lower bound on the row's)."""
     row, chunk = tl.program_id(0), tl.program_id(1)
-    row_max = tl.load(ROW_MAX + row + tl.arange(0, 1))
-    z, _, _ = _chunk_z(X, ROW_MAX, row, chunk, n_rows, n, inner, stride_outer, stride_inner,
-                       stride_n, ~_is_bad(row_max)[:, None, None], CHUNK, GROUP, WIDE)
+    bad = _is_bad(tl.load(ROW_MAX + row + tl.arange(0, 1)))
+    z, _ = _chunk_z(X, ROW_MAX, row, chunk, n_rows, n, inner, stride_outer, stride_inner,
+                    stride_n, ~bad[:, None, None], CHUNK, GROUP, WIDE)
     pivot, step = _tile_threshold(z, GROUP, False)
     tl.store(BOUND + row.to(tl.int64) * tl.num_programs(1) + chunk + tl.arange(0, 1),
              pivot + step)
@@ -57,8 +57,8 @@ def shard_sums_kernel(X, ROW_MAX, TAUS, STATS, n_rows, n, inner, stride_outer, s
     row, chunk = tl.program_id(0), tl.program_id(1)
     first_tau = tl.load(TAUS + row + tl.arange(0, 1))
     active = first_tau == first_tau
-    z, _, _ = _chunk_z(X, ROW_MAX, row, chunk, n_rows, n, inner, stride_outer, stride_inner,
-                       stride_n, active[:, None, None], CHUNK, GROUP, WIDE)
+    z, _ = _chunk_z(X, ROW_MAX, row, chunk, n_rows, n, inner, stride_outer, stride_inner,
+                    stride_n, active[:, None, None], CHUNK, GROUP, WIDE)
     n_chunks = tl.num_programs(1)
     out = STATS + row.to(tl.int64) * n_chunks + chunk + tl.arange(0, 1)
     plane = tl.num_programs(0).to(tl.int64) * n_chunks  # num_programs(0) is n_rows
@@ -75,14 +75,14 @@ def shard_write_kernel(X, Y, ROW_MAX, PIVOT, STEP, n_rows, n, inner,
                        x_stride_outer, x_stride_inner, x_stride_n,
                        y_stride_outer, y_stride_inner, y_stride_n,
                        CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
-    """y = max((z - pivot) - step, 0) over one chunk of a row; NaN for a bad row."""
+    """y = max((z - pivot) - step, 0) over one chunk of a row; NaN for a bad row (not read)."""
     row, chunk = tl.program_id(0), tl.program_id(1)
-    row_max = tl.load(ROW_MAX + row + tl.arange(0, 1))
-    z, _, mask = _chunk_z(X, ROW_MAX, row, chunk, n_rows, n, inner, x_stride_outer,
-                          x_stride_inner, x_stride_n, True, CHUNK, GROUP, WIDE)
+    bad = _is_bad(tl.load(ROW_MAX + row + tl.arange(0, 1)))
+    z, mask = _chunk_z(X, ROW_MAX, row, chunk, n_rows, n, inner, x_stride_outer,
+                       x_stride_inner, x_stride_n, ~bad[:, None, None], CHUNK, GROUP, WIDE)
     pivot = tl.load(PIVOT + row + tl.arange(0, 1))
     step = tl.load(STEP + row + tl.arange(0, 1))
-    y = _sparsemax_tile(z, pivot, step, _is_bad(row_max))
+    y = _sparsemax_tile(z, pivot, step, bad)
     y_off, _ = _row_offsets(row, chunk * CHUNK, n_rows, n, inner, y_stride_outer, y_stride_inner,
                             y_stride_n, 1, GROUP, CHUNK // GROUP, WIDE)
     tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
@@ -200,7 +200,8 @@ def _backward_rows(y, grad, dim, chunk):
     n_chunks, chunk, num_warps = _chunking(max(n, 1), y.dtype, chunk)
     wide = _wide(n, y_strides[2], g_strides[2], math.prod(y.shape[dim + 1:]))  # dx contiguous
     launch = dict(CHUNK=chunk, WIDE=wide, num_warps=num_warps)
-    return y, grad, (outer * inner, n_chunks), (outer * inner, n, inner, *y_strides, *g_strides), launch
+    view = (outer * inner, n, inner, *y_strides, *g_strides)
+    return y, grad, (outer * inner, n_chunks), view, launch
 
 
 def support_sums(y: torch.Tensor, grad: torch.Tensor, dim: int, chunk=None) -> torch.Tensor:
