@@ -108,11 +108,14 @@ def _describe(x, dim):
 
 
 def _meta_device(x, group):
-    if isinstance(x, torch.Tensor):
-        return x.device
-    if dist.get_backend(group) == "nccl":
+    """Where the descriptions travel: the device that the group's backend serves (NCCL: this
+    rank's GPU, gloo: the CPU), whatever x is; with a backend per device type, x's device."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if backend == "gloo" or not isinstance(x, torch.Tensor):
+        return torch.device("cpu")
+    return x.device
 
 
 def _say(fields):
