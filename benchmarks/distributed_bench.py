@@ -36,18 +36,21 @@ ORACLE_ROWS = 4
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=2048)
-    parser.add_argument("--features", type=int, default=1048576)
+    parser.add_argument("--rows", type=int, help="default 2048 (--quick: 64)")
+    parser.add_argument("--features", type=int, help="default 1048576 (--quick: 4096)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32")
-    parser.add_argument("--reps", type=int, default=10, help="timed calls (after 2 warm-ups)")
+    parser.add_argument("--reps", type=int, help="timed calls after 2 warm-ups: default 10 "
+                                                 "(--quick: 3)")
     parser.add_argument("--world", type=int, default=2,
                         help="processes to start when not run under torchrun")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--quick", action="store_true",
-                        help="CPU and gloo, 64 x 4096, 3 timed calls: checks that it runs")
+                        help="CPU and gloo, small and few: checks that it runs")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.rows, args.features, args.reps = 64, 4096, 3
+    defaults = (64, 4096, 3) if args.quick else (2048, 1048576, 10)
+    for name, default in zip(("rows", "features", "reps"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     return args
 
 

@@ -393,6 +393,7 @@ def test_case(run_config, config, name):
     if name == "bench_quick":
         record = json.loads((out_dir / "distributed.json").read_text())
         assert record["world"] == 2 and record["backend"] == "gloo"
+        assert (record["rows"], record["features"], record["widths"]) == (8, 300, [150, 150])
         assert record["max_abs_diff_vs_whole_rows"] < 1e-6
         assert record["relative_error_vs_fp64_oracle"] < 1e-6
         assert record["max_row_sum_error"] < 1e-5
