@@ -7,8 +7,9 @@ ranks, never the features:
 1. one all_gather of a small fixed-size description of each rank's input, so that ranks that
    disagree (rows, dtype, dim, gradient) all raise the same ValueError instead of hanging;
 2. an all-reduce MAX of the rows' local maxima: z = x - max, tau in [-1, 0), as on one device;
-3. an all-reduce MAX of each rank's lower bound on tau, the exact tau of (chunks of) its own
-   slice: the tau of any subset of a row is <= the row's tau;
+3. an all-reduce MAX of each rank's lower bound on tau, the exact tau of its own slice (CPU) or
+   of its best chunk (CUDA, found in the same pass as the maxima): the tau of any subset of a
+   row is <= the row's tau;
 4. Newton steps from that bound, one collective each for all rows: an all_gather of each
    rank's (sum, count, smallest) of z - tau over z > tau, reduced in rank order on every rank.
    The smallest lets a step be recognised final without another pass (as on one device), and

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .sparsemax import (_backward_tile, _is_bad, _row_offsets, _sparsemax_tile, _step_sums,
-                        _strided, _support_sums, _tile_threshold, _wide, group_size,
+                        _strided, _support_sums, _tile_max, _tile_threshold, _wide, group_size,
                         launch_config, rows_view)
 
 # Entries per program: several programs per row keep every SM busy on few long rows.
@@ -36,16 +36,20 @@ def _chunk_z(X, ROW_MAX, row, chunk, n_rows, n, inner, stride_outer, stride_inne
 
 
 @triton.jit
-def shard_bound_kernel(X, ROW_MAX, BOUND, n_rows, n, inner, stride_outer, stride_inner, stride_n,
-                       CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
-    """BOUND[row, chunk]: the exact tau of the chunk (a lower bound on the row's)."""
+def shard_summary_kernel(X, MAXIMA, TAUS, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+                         CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
+    """MAXIMA[row, chunk] and TAUS[row, chunk]: the chunk's maximum (NaN if it holds one), and
+    the chunk's exact tau in its own max-shifted coordinates: one read for both."""
     row, chunk = tl.program_id(0), tl.program_id(1)
-    bad = _is_bad(tl.load(ROW_MAX + row + tl.arange(0, 1)))
-    z, _ = _chunk_z(X, ROW_MAX, row, chunk, n_rows, n, inner, stride_outer, stride_inner,
-                    stride_n, ~bad[:, None, None], CHUNK, GROUP, WIDE)
-    pivot, step = _tile_threshold(z, GROUP, False)
-    tl.store(BOUND + row.to(tl.int64) * tl.num_programs(1) + chunk + tl.arange(0, 1),
-             pivot + step)
+    off, mask = _row_offsets(row, chunk * CHUNK, n_rows, n, inner, stride_outer, stride_inner,
+                             stride_n, 1, GROUP, CHUNK // GROUP, WIDE)
+    compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
+    chunk_max = _tile_max(x)
+    pivot, step = _tile_threshold(x - chunk_max[:, None, None], GROUP, False)
+    out = row.to(tl.int64) * tl.num_programs(1) + chunk + tl.arange(0, 1)
+    tl.store(MAXIMA + out, chunk_max)
+    tl.store(TAUS + out, pivot + step)
 
 
 @triton.jit
@@ -161,16 +165,22 @@ class TritonShard:
             *args, CHUNK=self.chunk, WIDE=self.wide, num_warps=self.num_warps, **constants)
 
     def row_max(self) -> torch.Tensor:
+        """The rows' maxima over this slice, from one pass that also finds each chunk's tau."""
         if not self.n:
             return torch.full((self.n_rows,), -torch.inf, dtype=self.ctype, device=self.x.device)
-        return self.x.amax(self.dim).reshape(-1).to(self.ctype)
+        self.maxima = torch.empty((self.n_rows, self.n_chunks), dtype=self.ctype,
+                                  device=self.x.device)
+        self.taus = torch.empty_like(self.maxima)
+        self._launch(shard_summary_kernel, self.x, self.maxima, self.taus, *self.view,
+                     GROUP=self.group)
+        return self.maxima.amax(-1)
 
     def bound(self, row_max: torch.Tensor) -> torch.Tensor:
+        """The best chunk's tau in the whole rows' coordinates (no pass over x): a lower bound
+        on the row's tau, up to the rounding of (chunk max - row max) + tau, ~1 ulp of 1."""
         if not self.n:
             return torch.full_like(row_max, -torch.inf)
-        bounds = row_max.new_empty((self.n_rows, self.n_chunks))
-        self._launch(shard_bound_kernel, self.x, row_max, bounds, *self.view, GROUP=self.group)
-        return bounds.amax(-1)
+        return ((self.maxima - row_max.unsqueeze(-1)) + self.taus).amax(-1)
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor) -> torch.Tensor:
         points = taus.shape[0]
