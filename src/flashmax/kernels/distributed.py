@@ -4,8 +4,10 @@ once, without temporaries its size.
 The slice is an [outer, n, inner] strided view (as in `flashmax.kernels.sparsemax`), cut into
 chunks of CHUNK entries; one program per (row, chunk) writes per-chunk partial results that
 torch reduces over the chunks (rows x chunks scalars), so that a long row spreads over the
-whole GPU rather than over one program. Entries are shifted by the whole row's maximum, the
-per-row scalar every rank agreed on.
+whole GPU rather than over one program. The first pass finds each chunk's maximum and its
+exact tau in its own max-shifted coordinates: the local maxima, and, once the whole rows'
+maxima are known, a lower bound on tau without another pass. The other passes shift entries
+by the whole row's maximum, the per-row scalar every rank agreed on.
 """
 
 import math
@@ -170,8 +172,8 @@ class TritonShard:
             return torch.full((self.n_rows,), -torch.inf, dtype=self.ctype, device=self.x.device)
         self.maxima = torch.empty((self.n_rows, self.n_chunks), dtype=self.ctype,
                                   device=self.x.device)
-        self.taus = torch.empty_like(self.maxima)
-        self._launch(shard_summary_kernel, self.x, self.maxima, self.taus, *self.view,
+        self.chunk_taus = torch.empty_like(self.maxima)
+        self._launch(shard_summary_kernel, self.x, self.maxima, self.chunk_taus, *self.view,
                      GROUP=self.group)
         return self.maxima.amax(-1)
 
@@ -180,7 +182,7 @@ class TritonShard:
         on the row's tau, up to the rounding of (chunk max - row max) + tau, ~1 ulp of 1."""
         if not self.n:
             return torch.full_like(row_max, -torch.inf)
-        return ((self.maxima - row_max.unsqueeze(-1)) + self.taus).amax(-1)
+        return ((self.maxima - row_max.unsqueeze(-1)) + self.chunk_taus).amax(-1)
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor) -> torch.Tensor:
         points = taus.shape[0]
