@@ -61,10 +61,37 @@ def rel_error(y, x):
 DISTS = {torch.float32: ("randn", "rand", "randn0.01"), torch.bfloat16: ("randn", "rand")}
 FORWARD_VARIANTS = {
     "default": {},
-    "narrow-sum": {"wide_sum": False},
-    "group16": {"group": 16},
-    "group32": {"group": 32},
+    "warps/2": {"warps": 0.5},
+    "warps*2": {"warps": 2},
 }
+
+
+def forward_launcher(module, config, rows, n):
+    """The forward of `module` (a kernels module) with a variant's overrides for rows of n."""
+    config = dict(config)
+    if "warps" in config:
+        try:
+            default_warps = module.launch_config(rows, n, newton=True)[2]
+        except TypeError:  # a baseline from before the forward had its own warp heuristic
+            default_warps = module.launch_config(rows, n)[2]
+        warps = default_warps * config.pop("warps")
+        if not 1 <= warps <= 16:
+            return None
+        config["num_warps"] = int(warps)
+
+    def forward(x, out=None):
+        return module.sparsemax_forward(x, 1, out=out, **config)
+    return forward
+
+
+def load_module(path):
+    """A kernels module from a file: an earlier version kept to time against in the same run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def eager_us(fn, x, reps=50):
@@ -111,6 +138,10 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--end-to-end-only", action="store_true",
                         help="only the eager forward + backward against torch.softmax")
+    parser.add_argument("--baseline", metavar="FILE",
+                        help="an earlier kernels module to time as variant 'baseline'")
+    parser.add_argument("--variants-on-shapes", action="store_true",
+                        help="time every variant on --shapes, not the default kernel only")
     parser.add_argument("--shapes", nargs="+", metavar="ROWSxN",
                         help="shapes to time with the default kernel only, e.g. 512x131072")
     args = parser.parse_args()
@@ -120,6 +151,7 @@ def main():
         shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     if args.end_to_end_only:
         shapes = []
+    baseline = load_module(args.baseline) if args.baseline else None
     records = []
     for rows, n in shapes:
         for dtype in (torch.float32, torch.bfloat16):
@@ -128,14 +160,16 @@ def main():
                 inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
                 floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
                 variants = FORWARD_VARIANTS
-                if dtype != torch.float32 or args.shapes:
+                if dtype != torch.float32 or (args.shapes and not args.variants_on_shapes):
                     variants = {"default": {}}
-                for name, config in variants.items():
-                    def fwd(x, config=config):
-                        return kernels.sparsemax_forward(x, 1, **config)
-
-                    poisoned = torch.full_like(inputs[0], 7.0)
-                    y = kernels.sparsemax_forward(inputs[0], 1, out=poisoned, **config)
+                launchers = {name: forward_launcher(kernels, config, rows, n)
+                             for name, config in variants.items()}
+                if baseline is not None:
+                    launchers["baseline"] = forward_launcher(baseline, {}, rows, n)
+                for name, fwd in launchers.items():
+                    if fwd is None:
+                        continue
+                    y = fwd(inputs[0], out=torch.full_like(inputs[0], float("nan")))
                     err = rel_error(y, inputs[0])
                     med, p20, p80 = gpu_time_us(fwd, inputs)
                     records.append(dict(mode="forward", variant=name, n=n, rows=rows,

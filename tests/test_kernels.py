@@ -83,10 +83,10 @@ def test_forward_fp64():
 @pytest.mark.parametrize(
     "config",
     [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"block_m": 4},
-     {"num_warps": 1}, {"wide_sum": False, "num_warps": 2}, {"chunk": 256},
+     {"num_warps": 1}, {"num_warps": 2}, {"chunk": 256},
      {"chunk": 128, "group": 1}],
     ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
-         "narrow-sum", "streamed", "streamed-no-groups"],
+         "two-warps", "streamed", "streamed-no-groups"],
 )
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 def test_every_launch_path_is_exact(config, dist):

@@ -29,6 +29,11 @@ MAX_BLOCK_N = {torch.float64: 16384}
 DEFAULT_MAX_BLOCK_N = 32768
 ELEMENTS_PER_PROGRAM = 2048  # short rows are batched BLOCK_M at a time up to this many elements
 ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer add latency
+# The forward's rows shorter than this are spread over up to 4 warps: with one warp a thread
+# would carry the Newton state of 16-32 rows (255 registers, few programs per SM). Measured on an
+# H200 (benchmarks/NOTES.md, v8): faster below 256 entries, slower at 256.
+SHORT_ROW = 256
+SHORT_ROW_ENTRIES_PER_THREAD = 16
 
 
 @triton.jit
@@ -37,27 +42,29 @@ def _add_add_min(total_a, count_a, min_a, total_b, count_b, min_b):
 
 
 @triton.jit
-def _step_sums(z, tau, WIDE_SUM: tl.constexpr):
-    """One Newton step's sums over a [BLOCK_M, A, B] tile: for d = z - tau, (sum of d > 0,
-    count of d > 0, smallest d > 0) per row.
+def _step_sums(z, tau, centre):
+    """One Newton step's sums over a [BLOCK_M, GROUP, WIDTH] tile: for d = z - tau, (sum of
+    d - centre over d > 0, count of d > 0, smallest d > 0) per row.
 
     Summing z - tau rather than z keeps the terms small: no cancellation when all of a row lies
-    close together (scales of 1e-3). The step is (sum - 1) / count with sum close to 1, so the
-    sum's rounding error becomes the outputs' relative error; WIDE_SUM accumulates it in fp64.
+    close together (scales of 1e-3). The step is (sum of d - 1) / count, so the sum's rounding
+    error becomes the outputs' relative error. Near the root every d is close to 1 / count:
+    the terms d - centre, with centre = 1 / (the previous count), are nearly zero and their sum
+    is nearly exact in fp32 (exactly zero for tied rows), without widening to fp64, whose
+    conversions run at 1/8 of the fp32 rate. Axis 1 lies inside a thread, so it goes first.
     """
     d = z - tau[:, None, None]
     support = d > 0
-    positive = tl.maximum(d, 0.0)
-    if WIDE_SUM:
-        positive = positive.to(tl.float64)
     total, count, smallest = tl.reduce(
-        (positive, support.to(z.dtype), tl.where(support, d, float("inf"))), 2, _add_add_min)
+        (tl.where(support, d - centre[:, None, None], 0.0), support.to(z.dtype),
+         tl.where(support, d, float("inf"))), 1, _add_add_min)
     return tl.reduce((total, count, smallest), 1, _add_add_min)
 
 
 @triton.jit
-def _newton_update(total, count, smallest, pivot, step, done):
-    """Advance (pivot, step, done) by one Newton step from its sums at tau = pivot + step.
+def _newton_update(total, count, smallest, pivot, step, centre, done):
+    """Advance (pivot, step, centre, done) by one Newton step from its sums at
+    tau = pivot + step.
 
     A step is final when every entry of the support it used stays above the new tau, and it
     was small: a large step was computed from z - tau with tau far away, rounded to ~|tau|
@@ -68,38 +75,43 @@ def _newton_update(total, count, smallest, pivot, step, done):
     # No entry above tau (a streamed chunk whose entries are all <= -1, a NaN or padding row):
     # keep tau, which is then already a lower bound at least as good as this subset's.
     has_support = count > 0
-    new_step = tl.where(has_support, (total - 1.0) / count, 0.0).to(pivot.dtype)
+    # sum of d - 1 = total + (count * centre - 1); one fma keeps the small second term exact.
+    excess = total + tl.fma(count, centre, -1.0)
+    new_step = tl.where(has_support, excess / count, 0.0)
     small = tl.abs(new_step) <= tl.abs(tau + new_step)
     pivot = tl.where(done, pivot, tau)
     step = tl.where(done, step, new_step)
+    centre = tl.where(has_support, 1.0 / count, centre)
     done = done | ((smallest > new_step) & small) | ~has_support
-    return pivot, step, done
+    return pivot, step, centre, done
 
 
 @triton.jit
-def _newton_threshold(z, tau, WIDE_SUM: tl.constexpr):
+def _newton_threshold(z, tau):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
     allowed) from lower bounds tau [BLOCK_M]."""
     pivot = tau
     step = tl.zeros_like(tau)
+    centre = tl.zeros_like(tau)
     done = tau != tau
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
-        total, count, smallest = _step_sums(z, pivot + step, WIDE_SUM)
-        pivot, step, done = _newton_update(total, count, smallest, pivot, step, done)
+        total, count, smallest = _step_sums(z, pivot + step, centre)
+        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
+                                                   done)
         pending = tl.sum((~done).to(tl.int32), axis=0)
     return pivot, step
 
 
 @triton.jit
-def _tile_threshold(z, GROUP: tl.constexpr, WIDE_SUM: tl.constexpr):
+def _tile_threshold(z, group_z, GROUP: tl.constexpr):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0,
-    starting from the exact tau of its group maxima (down axis 1, inside each thread)."""
+    starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH]."""
     tau = tl.full([z.shape[0]], -1.0, z.dtype)
     if GROUP > 1:
-        pivot, step = _newton_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau, False)
+        pivot, step = _newton_threshold(tl.expand_dims(group_z, 1), tau)
         tau = pivot + step
-    return _newton_threshold(z, tau, WIDE_SUM)
+    return _newton_threshold(z, tau)
 
 
 @triton.jit
@@ -108,8 +120,15 @@ def _nan_max(a, b):
 
 
 @triton.jit
-def _tile_max(x):
-    return tl.reduce(tl.reduce(x, 2, _nan_max), 1, _nan_max)
+def _group_max(x):
+    """Maxima down axis 1 of a [BLOCK_M, GROUP, WIDTH] tile (inside each thread), NaN-propagating:
+    the group maxima, and on the way to the row's maximum."""
+    return tl.reduce(x, 1, _nan_max)
+
+
+@triton.jit
+def _row_max(group_max):
+    return tl.reduce(group_max, 1, _nan_max)
 
 
 @triton.jit
@@ -120,8 +139,10 @@ def _is_bad(row_max):
 
 @triton.jit
 def _sparsemax_tile(z, pivot, step, bad):
-    y = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
-    return tl.where(bad[:, None, None], float("nan"), y)
+    # A bad row's step is NaN, which the NaN-propagating maximum carries to every entry.
+    step = tl.where(bad, float("nan"), step)
+    return tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0,
+                      propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -148,7 +169,7 @@ def sparsemax_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """BLOCK_M whole rows per program, held in registers: one read, one write."""
     block = tl.program_id(0)
@@ -157,9 +178,10 @@ def sparsemax_forward_kernel(
                                x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
     x = tl.load(X + x_off, mask=mask, other=-float("inf"))
     x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
-    row_max = _tile_max(x)
+    group_max = _group_max(x)
+    row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
-    pivot, step = _tile_threshold(z, GROUP, WIDE_SUM)
+    pivot, step = _tile_threshold(z, group_max - row_max[:, None], GROUP)
     y = _sparsemax_tile(z, pivot, step, _is_bad(row_max))
     y_off, _ = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
                             y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
@@ -171,7 +193,7 @@ def sparsemax_forward_streamed_kernel(
     X, Y, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One row per program, streamed CHUNK entries at a time: a pass for the max, a pass for
     the best chunk's exact tau (a lower bound on the row's), a pass per Newton step, and a pass
@@ -184,32 +206,35 @@ def sparsemax_forward_streamed_kernel(
         off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
                                  x_stride_n, 1, GROUP, WIDTH, WIDE)
         x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
-        row_max = _nan_max(row_max, _tile_max(x))
+        row_max = _nan_max(row_max, _row_max(_group_max(x)))
     bad = _is_bad(row_max)
 
     tau = tl.full([1], -1.0, compute)
     for start in range(0, n, CHUNK):
         off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
                                  x_stride_n, 1, GROUP, WIDTH, WIDE)
-        z = tl.load(X + off, mask=mask, other=-float("inf")).to(compute) - row_max[:, None, None]
-        pivot, step = _tile_threshold(z, GROUP, False)
+        x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
+        z = x - row_max[:, None, None]
+        pivot, step = _tile_threshold(z, _group_max(x) - row_max[:, None], GROUP)
         tau = tl.maximum(tau, pivot + step)
 
     pivot = tau
     step = tl.zeros_like(tau)
+    centre = tl.zeros_like(tau)
     done = bad
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
-        total = tl.zeros([1], tl.float64 if WIDE_SUM else compute)
+        total = tl.zeros([1], compute)
         count = tl.zeros([1], compute)
         smallest = tl.full([1], float("inf"), compute)
         for start in range(0, n, CHUNK):
             off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer,
                                      x_stride_inner, x_stride_n, 1, GROUP, WIDTH, WIDE)
             z = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
-            chunk = _step_sums(z - row_max[:, None, None], pivot + step, WIDE_SUM)
+            chunk = _step_sums(z - row_max[:, None, None], pivot + step, centre)
             total, count, smallest = _add_add_min(total, count, smallest, *chunk)
-        pivot, step, done = _newton_update(total, count, smallest, pivot, step, done)
+        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
+                                                   done)
         pending = tl.sum((~done).to(tl.int32), axis=0)
 
     for start in range(0, n, CHUNK):
@@ -342,13 +367,16 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def launch_config(n_rows: int, n: int, num_warps=None, block_m=None):
-    """(BLOCK_M, BLOCK_N, num_warps): rows per program, padded row width, warps."""
+def launch_config(n_rows: int, n: int, num_warps=None, block_m=None, newton=False):
+    """(BLOCK_M, BLOCK_N, num_warps): rows per program, padded row width, warps. `newton`:
+    for the forward, whose per-row state takes registers too."""
     block_n = _next_power_of_2(n)
     if block_m is None:
         block_m = max(1, min(_next_power_of_2(n_rows), ELEMENTS_PER_PROGRAM // block_n))
+    elements = block_m * block_n
+    if num_warps is None and newton and block_n < SHORT_ROW:
+        num_warps = max(1, min(4, elements // (32 * SHORT_ROW_ENTRIES_PER_THREAD)))
     if num_warps is None:
-        elements = block_m * block_n
         # Measured on an H200 (benchmarks/NOTES.md): 128 entries per thread, but two warps
         # from 4096 entries on.
         num_warps = min(16, max(1, elements // (32 * ELEMENTS_PER_THREAD), min(2, elements // 2048)))
@@ -383,7 +411,7 @@ def _rows(x: torch.Tensor, out, dim: int, chunk):
 
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, wide_sum=True, chunk=None) -> torch.Tensor:
+                      block_m=None, chunk=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks. The
@@ -398,14 +426,14 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
         group = group_size(block_n, x.element_size(), num_warps, group)
         sparsemax_forward_streamed_kernel[(n_rows,)](
             x, y, n_rows, n, inner, *x_strides, *y_strides,
-            CHUNK=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum, num_warps=num_warps,
+            CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps,
         )
         return y
-    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
+    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton=True)
     group = group_size(block_n, x.element_size(), num_warps, group)
     sparsemax_forward_kernel[(-(-n_rows // block_m),)](
         x, y, n_rows, n, inner, *x_strides, *y_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide,
         num_warps=num_warps,
     )
     return y
