@@ -179,16 +179,20 @@ class TorchShard:
         pivot, step = reference.threshold(self.z)
         return pivot + step
 
-    def sums(self, row_max: torch.Tensor, taus: torch.Tensor) -> torch.Tensor:
-        """[points, 3, rows] float64: sum, count and smallest of z - tau over z > tau, for each
-        row's tau at each point (NaN: a finished row, whose results are ignored)."""
+    def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
+        """[points, 3, rows] float64: sum, count and smallest of d = z - tau over d > 0, for
+        each row's tau at each point (NaN: a finished row, whose results are ignored).
+
+        The sum is that of d - centre (centre near 1 / count: terms that nearly cancel, so
+        nearly exact in the compute dtype) plus count * centre in float64.
+        """
         d = self.z - taus.unsqueeze(-1)
         support = d > 0
-        # Summed in the compute dtype, as the single-device CPU path (torch sums pairwise).
-        total = d.clamp_min(0).sum(-1)
+        total = torch.where(support, d - centre.unsqueeze(-1), 0).sum(-1)
         count = support.sum(-1)
         smallest = torch.where(support, d, torch.inf).amin(-1) if d.shape[-1] else total + torch.inf
-        return torch.stack([total.double(), count.double(), smallest.double()], 1)
+        total = total.double() + count.double() * centre.double()
+        return torch.stack([total, count.double(), smallest.double()], 1)
 
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         y = self.z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
@@ -258,13 +262,15 @@ def sharded_forward(x, dim, comm: Collectives, width: int, local=None, cap=None)
     bound = comm.all_reduce(local.bound(row_max), dist.ReduceOp.MAX).clamp_min(-1.0)
     pivot, step, done = bound, torch.zeros_like(bound), bad
     hi = torch.zeros_like(bound)
+    centre = torch.zeros_like(bound)  # 1 / the last count: see TorchShard.sums
     cap = newton_cap(width) if cap is None else cap
     steps = 0
     while steps < max_steps(width, bound.dtype) and not bool(done.all()):
         tau = pivot + step
         points = [tau] if steps < cap else [tau, tau + (hi - tau) / 2]
         points = torch.stack(points).masked_fill_(done, torch.nan)
-        stats = comm.step_sums(local.sums(row_max, points))
+        stats = comm.step_sums(local.sums(row_max, points, centre))
+        centre = torch.where(stats[0, 1] > 0, 1 / stats[0, 1], 0).to(centre.dtype)
         pivot, step, done, hi = _advance(stats, points, pivot, step, done, hi)
         steps += 1
     return local.write(row_max, pivot, step), steps

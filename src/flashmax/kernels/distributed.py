@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparsemax import (_backward_tile, _is_bad, _row_offsets, _sparsemax_tile, _step_sums,
-                        _strided, _support_sums, _tile_max, _tile_threshold, _wide, group_size,
-                        launch_config, rows_view)
+from .sparsemax import (_backward_tile, _group_max, _is_bad, _row_max, _row_offsets,
+                        _sparsemax_tile, _step_sums, _strided, _support_sums, _tile_threshold,
+                        _wide, group_size, launch_config, rows_view)
 
 # Entries per program: several programs per row keep every SM busy on few long rows.
 CHUNK = {torch.float64: 4096}
@@ -47,19 +47,22 @@ def shard_summary_kernel(X, MAXIMA, TAUS, n_rows, n, inner, stride_outer, stride
                              stride_n, 1, GROUP, CHUNK // GROUP, WIDE)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
-    chunk_max = _tile_max(x)
-    pivot, step = _tile_threshold(x - chunk_max[:, None, None], GROUP, False)
+    group_max = _group_max(x)
+    chunk_max = _row_max(group_max)
+    pivot, step = _tile_threshold(x - chunk_max[:, None, None], group_max - chunk_max[:, None],
+                                  GROUP)
     out = row.to(tl.int64) * tl.num_programs(1) + chunk + tl.arange(0, 1)
     tl.store(MAXIMA + out, chunk_max)
     tl.store(TAUS + out, pivot + step)
 
 
 @triton.jit
-def shard_sums_kernel(X, ROW_MAX, TAUS, STATS, n_rows, n, inner, stride_outer, stride_inner,
-                      stride_n, POINTS: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-                      WIDE: tl.constexpr):
-    """STATS[point, (sum, count, smallest), row, chunk] of z - tau over z > tau, for each
-    row's tau at each point (TAUS[point, row]; NaN at point 0: a finished row, not read)."""
+def shard_sums_kernel(X, ROW_MAX, TAUS, CENTRE, STATS, n_rows, n, inner, stride_outer,
+                      stride_inner, stride_n, POINTS: tl.constexpr, CHUNK: tl.constexpr,
+                      GROUP: tl.constexpr, WIDE: tl.constexpr):
+    """STATS[point, (sum of d - centre, count, smallest d), row, chunk] over d = z - tau > 0,
+    for each row's tau at each point (TAUS[point, row]; NaN at point 0: a finished row, not
+    read) and centre (CENTRE[row], near 1 / count: the terms nearly cancel, see _step_sums)."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     first_tau = tl.load(TAUS + row + tl.arange(0, 1))
     active = first_tau == first_tau
@@ -68,10 +71,11 @@ def shard_sums_kernel(X, ROW_MAX, TAUS, STATS, n_rows, n, inner, stride_outer, s
     n_chunks = tl.num_programs(1)
     out = STATS + row.to(tl.int64) * n_chunks + chunk + tl.arange(0, 1)
     plane = tl.num_programs(0).to(tl.int64) * n_chunks  # num_programs(0) is n_rows
+    centre = tl.load(CENTRE + row + tl.arange(0, 1))
     for point in tl.static_range(POINTS):
         tau = tl.load(TAUS + point * n_rows + row + tl.arange(0, 1))
-        total, count, smallest = _step_sums(z, tau, True)
-        tl.store(out + (3 * point) * plane, total)
+        total, count, smallest = _step_sums(z, tau, centre)
+        tl.store(out + (3 * point) * plane, total.to(tl.float64))
         tl.store(out + (3 * point + 1) * plane, count.to(tl.float64))
         tl.store(out + (3 * point + 2) * plane, smallest.to(tl.float64))
 
@@ -184,15 +188,17 @@ class TritonShard:
             return torch.full_like(row_max, -torch.inf)
         return ((self.maxima - row_max.unsqueeze(-1)) + self.chunk_taus).amax(-1)
 
-    def sums(self, row_max: torch.Tensor, taus: torch.Tensor) -> torch.Tensor:
+    def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         points = taus.shape[0]
         if not self.n:
             zero = torch.zeros((points, 1, self.n_rows), dtype=torch.float64, device=taus.device)
             return torch.cat([zero, zero, zero + torch.inf], 1)
         stats = torch.empty((points, 3, self.n_rows, self.n_chunks), dtype=torch.float64,
                             device=taus.device)
-        self._launch(shard_sums_kernel, self.x, row_max, taus.contiguous(), stats, *self.view,
-                     POINTS=points, GROUP=self.group)
+        self._launch(shard_sums_kernel, self.x, row_max, taus.contiguous(), centre, stats,
+                     *self.view, POINTS=points, GROUP=self.group)
+        # Each chunk's sum of d, in fp64 from its nearly exact sum of d - centre.
+        stats[:, 0] += stats[:, 1] * centre.double().unsqueeze(-1)
         return torch.cat([stats[:, :2].sum(-1), stats[:, 2:].amin(-1)], 1)
 
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor):
