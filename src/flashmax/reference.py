@@ -35,14 +35,22 @@ def newton_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, 
         total = d.clamp_min(0).sum(-1)
         count = support.sum(-1, dtype=torch.int32)
         smallest = torch.where(support, d, torch.inf).amin(-1)
-        new_step = (total - 1) / count
-        pivot = torch.where(done, pivot, tau)
-        step = torch.where(done, step, new_step)
-        # Final once the support holds, and the step was small: a large step was computed
-        # from z - tau with tau far away, rounded to ~|tau| ulps, so refine it once more.
-        small = new_step.abs() <= (tau + new_step).abs()
-        done = done | ((smallest > new_step) & small)
+        pivot, step, done = newton_update(total, count, smallest, pivot, step, done)
     return pivot, step
+
+
+def newton_update(total, count, smallest, pivot, step, done):
+    """Advance (pivot, step, done) by one Newton step from its sums at tau = pivot + step:
+    the sum, count and smallest of z - tau over the support z > tau."""
+    tau = pivot + step
+    new_step = ((total - 1) / count).to(pivot.dtype)  # total may be accumulated wider
+    pivot = torch.where(done, pivot, tau)
+    step = torch.where(done, step, new_step)
+    # Final once the support holds, and the step was small: a large step was computed
+    # from z - tau with tau far away, rounded to ~|tau| ulps, so refine it once more.
+    small = new_step.abs() <= (tau + new_step).abs()
+    done = done | ((smallest > new_step) & small)
+    return pivot, step, done
 
 
 GROUP = 8
@@ -70,6 +78,20 @@ def _pack_groups(groups: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return packed.view(groups.shape[0], -1)
 
 
+def threshold(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact threshold (pivot, step) of each row of z <= 0 (rows (rows, n), -inf allowed).
+
+    A row whose maximum is below 0 (a subset of a larger row, in that row's coordinates) gets
+    a lower bound on its own threshold instead where that threshold is below -1: Newton from
+    above lands below the root.
+    """
+    groups = _groups(z)
+    maxima = groups.amax(-1)
+    pivot, step = newton_threshold(maxima, z.new_full(maxima.shape[:1], -1.0))
+    lower = (pivot + step).clamp_min(-1.0)  # -inf for NaN rows, whose maxima have no support
+    return newton_threshold(_pack_groups(groups, maxima > lower.unsqueeze(-1)), lower)
+
+
 def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
     """Sparsemax over the last dim of x (float32/float64, at least one feature); contiguous.
 
@@ -85,11 +107,7 @@ def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
     z = rows - row_max
     if any_bad:
         z.masked_fill_(bad, -torch.inf)
-    groups = _groups(z)
-    maxima = groups.amax(-1)
-    pivot, step = newton_threshold(maxima, z.new_full(maxima.shape[:1], -1.0))
-    lower = (pivot + step).clamp_min(-1.0)  # -inf for NaN rows, whose maxima have no support
-    pivot, step = newton_threshold(_pack_groups(groups, maxima > lower.unsqueeze(-1)), lower)
+    pivot, step = threshold(z)
     y = z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
     if any_bad:
         y.masked_fill_(bad, torch.nan)

@@ -124,12 +124,18 @@ class _EagerSparsemax(torch.autograd.Function):
         return kernels.sparsemax_backward(y, grad, ctx.dim), None
 
 
-def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def sparsemax(x: torch.Tensor, dim: int = -1, *, group=None) -> torch.Tensor:
     """Sparsemax of x along dim: the Euclidean projection of each slice onto the simplex.
 
     y = max(x - tau, 0) with tau chosen so that each slice sums to 1. Same signature as
     `entmax.sparsemax(X, dim=-1)`. See the README for the full contract (dtypes, -inf, NaN).
+    With a torch.distributed `group`, x is this rank's contiguous slice of the features along
+    dim and the result its slice of the whole rows' sparsemax (`flashmax.distributed`).
     """
+    if group is not None:
+        from .distributed import sharded_sparsemax  # imports this module
+
+        return sharded_sparsemax(x, dim, group)
     dim = check_input(x, dim)
     if x.dim() == 0:
         return _sparsemax_op(x.reshape(1), 0).reshape(())

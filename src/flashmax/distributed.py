@@ -1,0 +1,331 @@
+"""Sparsemax over a feature dimension split across the ranks of a torch.distributed group.
+
+Each rank holds a contiguous slice of every row (tensor-parallel vocabularies, experts); the
+result on each rank is its slice of the sparsemax of the whole row. Only per-row scalars cross
+ranks, never the features:
+
+1. one all_gather of a small fixed-size description of each rank's input, so that ranks that
+   disagree (rows, dtype, dim, gradient) all raise the same ValueError instead of hanging;
+2. an all-reduce MAX of the rows' local maxima: z = x - max, tau in [-1, 0), as on one device;
+3. an all-reduce MAX of each rank's lower bound on tau, the exact tau of its own slice (CPU) or
+   of its best chunk (CUDA, found in the same pass as the maxima): the tau of any subset of a
+   row is <= the row's tau;
+4. Newton steps from that bound, one collective each for all rows: an all_gather of each
+   rank's (sum, count, smallest) of z - tau over z > tau, reduced in rank order on every rank.
+   The smallest lets a step be recognised final without another pass (as on one device), and
+   the identical reduction on every rank makes every rank take identical decisions.
+
+Newton from a lower bound rises monotonically and usually ends in one or two steps. After
+`newton_cap(width)` = 1 + ceil(log2(width)) steps, each further step also evaluates the midpoint
+of a bracket [tau, hi] (hi: the lowest point seen with f < 0) in the same pass and collective:
+the bracket at least halves per step, and once no data point lies inside it the Newton step
+from its lower end is exact. So the answer stays exact, and the number of steps is capped by
+the floating-point resolution of tau (|tau| >= 1 / width): `max_steps`.
+
+The local work is pure torch on CPU tensors and Triton kernels on CUDA tensors
+(`flashmax.kernels.distributed`). Each step needs the reduced results on the host to decide
+whether to go on: one device-to-host sync per step on NCCL.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import reference
+from .sparsemax import SUPPORTED_DTYPES, check_input, compute_dtype, sparsemax, uses_kernels
+
+try:
+    from .kernels import distributed as kernels
+except ImportError:  # Triton is optional: the torch path covers every device.
+    kernels = None
+
+
+def newton_cap(width: int) -> int:
+    """Pure Newton steps before the bisection safeguard starts."""
+    return 1 + math.ceil(math.log2(max(width, 1)))
+
+
+def max_steps(width: int, dtype: torch.dtype) -> int:
+    """Hard cap on the steps: the bracket starts at most 1 wide and halves per step after the
+    Newton steps; it holds no float once narrower than the spacing at |tau| >= 1 / width."""
+    mantissa = -math.log2(torch.finfo(dtype).eps)
+    return newton_cap(width) + math.ceil(math.log2(max(width, 1)) + mantissa) + 2
+
+
+class Collectives:
+    """The collectives of one call, on per-row scalars; `trace` records (kind, shape, dtype)."""
+
+    def __init__(self, group, trace=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.trace = trace
+
+    def _record(self, kind, t):
+        if self.trace is not None:
+            self.trace.append((kind, tuple(t.shape), t.dtype))
+
+    def all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        self._record("all_reduce_max" if op == dist.ReduceOp.MAX else "all_reduce_sum", t)
+        dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[world, *t.shape]: every rank's t, in rank order."""
+        self._record("all_gather", t)
+        out = t.new_empty((self.world, *t.shape))
+        dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
+        return out
+
+    def step_sums(self, stats: torch.Tensor) -> torch.Tensor:
+        """Every rank's [..., 3, rows] (sum, count, smallest), summed and min-ed in rank order:
+        the same computation on the same numbers on every rank, so identical results."""
+        everyone = self.all_gather(stats)
+        sums = everyone[:, ..., :2, :].sum(0)
+        smallest = everyone[:, ..., 2:, :].amin(0)
+        return torch.cat([sums, smallest], -2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Agreement between ranks
+# ----------------------------------------------------------------------------------------------
+
+_FIELDS = ("valid", "dtype", "ndim", "dim", "rows", "shape", "needs_grad", "cuda", "width")
+
+
+def _describe(x, dim):
+    """This rank's input as _FIELDS, and the error its input alone deserves (or None)."""
+    try:
+        dim = check_input(x, dim)
+    except (TypeError, IndexError) as error:
+        return [0] * len(_FIELDS), error
+    shape = x.shape if x.dim() else (1,)
+    others = shape[:dim] + shape[dim + 1:]
+    needs_grad = torch.is_grad_enabled() and x.requires_grad
+    # hash() of a tuple of ints is the same in every process (no hash randomisation for ints).
+    fields = [1, SUPPORTED_DTYPES.index(x.dtype), len(shape), dim, math.prod(others),
+              hash(tuple(others)), int(needs_grad), int(x.is_cuda), shape[dim]]
+    return fields, None
+
+
+def _meta_device(x, group):
+    """Where the descriptions travel: the device that the group's backend serves (NCCL: this
+    rank's GPU, gloo: the CPU), whatever x is; with a backend per device type, x's device."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "gloo" or not isinstance(x, torch.Tensor):
+        return torch.device("cpu")
+    return x.device
+
+
+def _say(fields):
+    f = dict(zip(_FIELDS, fields))
+    return (f"{f['rows']} rows, dtype {SUPPORTED_DTYPES[f['dtype']]}, dim {f['dim']} of "
+            f"{f['ndim']}, {'cuda' if f['cuda'] else 'cpu'}, "
+            f"{'needs' if f['needs_grad'] else 'no'} gradient")
+
+
+def agree(x, dim, comm: Collectives) -> tuple[int, int, list[int]]:
+    """(dim, rows, every rank's slice width) once all ranks agree on everything else; else the
+    same error on every rank (a rank with a bad input raises its own TypeError or IndexError)."""
+    fields, error = _describe(x, dim)
+    everyone = comm.all_gather(torch.tensor(fields, device=_meta_device(x, comm.group))).tolist()
+    if error is not None:
+        raise error
+    invalid = [rank for rank, f in enumerate(everyone) if not f[0]]
+    if invalid:
+        raise ValueError(f"sparsemax(group=...): the input of rank(s) {invalid} is invalid "
+                         "(see the error raised there)")
+    if any(f[:-1] != fields[:-1] for f in everyone):
+        ranks = "; ".join(f"rank {r}: {_say(f)}" for r, f in enumerate(everyone))
+        raise ValueError(
+            "sparsemax(group=...): all ranks must pass the same rows (shape apart from dim), "
+            f"dtype, dim, device type and need for a gradient; got {ranks}")
+    return fields[3], fields[4], [f[-1] for f in everyone]
+
+
+# ----------------------------------------------------------------------------------------------
+# Local work of one rank, pure torch (CPU, or any device without Triton)
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t as (rows, width) with dim last; width 0 allowed (a rank without features)."""
+    others = t.shape[:dim] + t.shape[dim + 1:]
+    return t.movedim(dim, -1).reshape(math.prod(others), t.shape[dim])
+
+
+class TorchShard:
+    """One rank's slice as (rows, width) in the compute dtype; the same interface as
+    `flashmax.kernels.distributed.TritonShard`."""
+
+    def __init__(self, x: torch.Tensor, dim: int):
+        self.x, self.dim = x, dim
+        self.ctype = compute_dtype(x.dtype)
+        self.rows = _as_rows(x, dim).to(self.ctype)
+
+    def row_max(self) -> torch.Tensor:
+        if not self.rows.shape[1]:
+            return self.rows.new_full(self.rows.shape[:1], -torch.inf)
+        return self.rows.amax(-1)
+
+    def bound(self, row_max: torch.Tensor) -> torch.Tensor:
+        """A lower bound on each row's tau: the exact tau of this slice (-inf for no entries)."""
+        self.z = self.rows - row_max.unsqueeze(-1)
+        self.z.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), -torch.inf)
+        if not self.z.shape[1]:
+            return row_max.new_full(row_max.shape, -torch.inf)
+        pivot, step = reference.threshold(self.z)
+        return pivot + step
+
+    def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
+        """[points, 3, rows] float64: sum, count and smallest of d = z - tau over d > 0, for
+        each row's tau at each point (NaN: a finished row, whose results are ignored).
+
+        The sum is that of d - centre (centre near 1 / count: terms that nearly cancel, so
+        nearly exact in the compute dtype) plus count * centre in float64.
+        """
+        d = self.z - taus.unsqueeze(-1)
+        support = d > 0
+        total = torch.where(support, d - centre.unsqueeze(-1), 0).sum(-1)
+        count = support.sum(-1)
+        smallest = torch.where(support, d, torch.inf).amin(-1) if d.shape[-1] else total + torch.inf
+        total = total.double() + count.double() * centre.double()
+        return torch.stack([total, count.double(), smallest.double()], 1)
+
+    def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        y = self.z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
+        y.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), torch.nan)
+        shape = self.x.movedim(self.dim, -1).shape
+        return y.to(self.x.dtype).view(shape).movedim(-1, self.dim).contiguous()
+
+
+def torch_support_sums(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+    """[2, rows] float64: sum of grad and count over the support y > 0 of each row."""
+    ctype = compute_dtype(y.dtype)
+    y_rows, g_rows = (_as_rows(t, dim).to(ctype) for t in (y, grad))
+    support = y_rows > 0
+    total = torch.where(support, g_rows, 0).sum(-1)
+    return torch.stack([total.double(), support.sum(-1).double()])
+
+
+def torch_backward_write(y: torch.Tensor, grad: torch.Tensor, mean: torch.Tensor, dim: int):
+    ctype = compute_dtype(y.dtype)
+    mean = mean.to(ctype).view(*y.movedim(dim, -1).shape[:-1], 1).movedim(-1, dim)
+    dx = torch.where(y > 0, grad.to(ctype) - mean, 0)
+    return dx.to(y.dtype).contiguous()
+
+
+def _local_work(x: torch.Tensor, dim: int):
+    if uses_kernels(x) and kernels is not None:
+        return kernels.TritonShard(x, dim)
+    return TorchShard(x, dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sharded forward and backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _advance(stats, points, pivot, step, done, hi):
+    """One step's update from the reduced sums at the Newton point (and the midpoint)."""
+    tau = points[0]
+    pivot, step, new_done = reference.newton_update(*stats[0], pivot, step, done)
+    if len(points) == 1:
+        return pivot, step, new_done, hi
+    mid = points[1]
+    # f(mid) >= 0: mid is a lower bound, and Newton from it may beat Newton from tau.
+    below = stats[1, 0] >= 1
+    hi = torch.where(below | done, hi, mid)
+    mid_pivot, mid_step, mid_done = reference.newton_update(
+        *stats[1], mid, torch.zeros_like(mid), done)
+    better = below & ~done & (mid_pivot + mid_step > pivot + step)
+    pivot = torch.where(better, mid_pivot, pivot)
+    step = torch.where(better, mid_step, step)
+    new_done = torch.where(better, mid_done, new_done)
+    # No float left between tau and hi, hence no data point: the Newton step from tau is exact.
+    return pivot, step, new_done | ~(mid > tau), hi
+
+
+def sharded_forward(x, dim, comm: Collectives, width: int, local=None, cap=None):
+    """This rank's slice of the sparsemax of the whole rows, and the number of Newton steps.
+
+    `width` is the whole rows' width. Tests override the local work (`local`: Triton kernels
+    on CPU tensors under the interpreter) and `cap`, the pure Newton steps.
+    """
+    local = _local_work(x, dim) if local is None else local
+    row_max = local.row_max()
+    # NaN anywhere makes the row bad, as +inf does: reduce it as +inf (MAX may drop NaNs).
+    row_max = comm.all_reduce(torch.where(row_max.isnan(), torch.inf, row_max), dist.ReduceOp.MAX)
+    bad = ~torch.isfinite(row_max)
+    bound = comm.all_reduce(local.bound(row_max), dist.ReduceOp.MAX).clamp_min(-1.0)
+    pivot, step, done = bound, torch.zeros_like(bound), bad
+    hi = torch.zeros_like(bound)
+    centre = torch.zeros_like(bound)  # 1 / the last count: see TorchShard.sums
+    cap = newton_cap(width) if cap is None else cap
+    steps = 0
+    while steps < max_steps(width, bound.dtype) and not bool(done.all()):
+        tau = pivot + step
+        points = [tau] if steps < cap else [tau, tau + (hi - tau) / 2]
+        points = torch.stack(points).masked_fill_(done, torch.nan)
+        stats = comm.step_sums(local.sums(row_max, points, centre))
+        centre = torch.where(stats[0, 1] > 0, 1 / stats[0, 1], 0).to(centre.dtype)
+        pivot, step, done, hi = _advance(stats, points, pivot, step, done, hi)
+        steps += 1
+    return local.write(row_max, pivot, step), steps
+
+
+def sharded_backward(y, grad, dim, comm: Collectives):
+    """dx = s * (g - mean of g over the whole row's support s = (y > 0)): one all-reduce."""
+    on_kernels = uses_kernels(y) and kernels is not None
+    support_sums = kernels.support_sums if on_kernels else torch_support_sums
+    backward_write = kernels.backward_write if on_kernels else torch_backward_write
+    total, count = comm.all_reduce(support_sums(y, grad, dim), dist.ReduceOp.SUM)
+    return backward_write(y, grad, total / count, dim)
+
+
+# A custom op cannot take a ProcessGroup argument, so the sharded sparsemax is a plain
+# autograd.Function (torch.compile graph-breaks on it, as on any collective-issuing Python).
+class _ShardedSparsemax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, comm, width):
+        y, _ = sharded_forward(x, dim, comm, width)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.comm = dim, comm
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return _ShardedSparsemaxBackward.apply(y, grad, ctx.dim, ctx.comm), None, None, None
+
+
+class _ShardedSparsemaxBackward(torch.autograd.Function):
+    """dx is linear in grad (the same projection again) and locally constant in y."""
+
+    @staticmethod
+    def forward(ctx, y, grad, dim, comm):
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.comm = dim, comm
+        return sharded_backward(y, grad, dim, comm)
+
+    @staticmethod
+    def backward(ctx, grad_dx):
+        (y,) = ctx.saved_tensors
+        return None, _ShardedSparsemaxBackward.apply(y, grad_dx, ctx.dim, ctx.comm), None, None
+
+
+def sharded_sparsemax(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """`flashmax.sparsemax(x, dim, group=group)`: x is this rank's contiguous slice of the
+    features along dim (slices may differ in width, 0 included), in rank order."""
+    if dist.get_world_size(group) == 1:
+        return sparsemax(x, dim)
+    comm = Collectives(group)
+    dim, rows, widths = agree(x, dim, comm)
+    if not rows or not sum(widths):
+        # Nothing to normalise on any rank: no collective, in the forward or the backward.
+        return sparsemax(x, dim)
+    if x.dim() == 0:
+        return _ShardedSparsemax.apply(x.reshape(1), 0, comm, sum(widths)).reshape(())
+    return _ShardedSparsemax.apply(x, dim, comm, sum(widths))

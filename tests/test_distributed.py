@@ -1,0 +1,451 @@
+"""`flashmax.sparsemax(x, dim, group=...)` with the features split across processes.
+
+One spawn per configuration (gloo with 2 and with 4 processes on 127.0.0.1; with
+FLASHMAX_TEST_DEVICE=cuda on a machine with 2 GPUs, also NCCL with 2 processes on CUDA tensors)
+runs every case below inside it; each rank writes its cases' outcomes to a file and the parent
+asserts them, one test per case. The process group has a timeout and the parent a hard
+deadline, so a failure can never hang. Every rank builds the same whole input from a seed and
+keeps its slice; results are compared on the whole rows (gathered by the test only) with the
+single-process path and the float64 oracle, on the CPU.
+"""
+
+import datetime
+import importlib.util
+import json
+import math
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashmax
+from flashmax import distributed
+from oracle import oracle
+from test_sparsemax import (assert_bitwise_equal, check_against_oracle, check_grad, expected_grad,
+                            make_input)
+
+GROUP_TIMEOUT_S = 45  # each collective of a rank whose peer died fails after this
+DEADLINE_S = 150  # the whole spawn, start-up included, on a loaded 2-core CI machine
+ROOT = Path(__file__).resolve().parent.parent
+ON_GPU = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu") == "cuda"
+CONFIGS = {"gloo-2": ("gloo", 2), "gloo-4": ("gloo", 4)}
+if ON_GPU and torch.cuda.device_count() >= 2:
+    CONFIGS["nccl-2"] = ("nccl", 2)
+ALL = tuple(CONFIGS)
+# The Triton kernels run on CPU tensors only under the interpreter (not with a GPU).
+INTERPRETED = () if ON_GPU else ("gloo-2",)
+KERNEL_DEVICE = "cuda" if ON_GPU else "cpu"
+WORLD = None  # dist.group.WORLD, once the worker has joined
+DEVICE = None  # this rank's device: the CPU under gloo, its own GPU under NCCL
+
+CASES = {}
+
+
+def case(*configs):
+    """Register a case, run by every rank of each of these configurations (where present)."""
+
+    def register(fn):
+        CASES[fn.__name__] = (fn, [config for config in configs if config in CONFIGS])
+        return fn
+
+    return register
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers run inside the ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def splits(n: int, world: int) -> list[list[int]]:
+    """Slice widths that add up to n: even, a rank with 1 feature, a rank with 0 features."""
+    def even(total, parts):
+        return [len(part) for part in torch.arange(total).tensor_split(parts)]
+
+    rest = even(n - 1, world - 1)
+    return [even(n, world), [1] + rest, rest[::-1] + [1], [0] + even(n, world - 1)]
+
+
+def my_slice(x: torch.Tensor, dim: int, widths: list[int]) -> torch.Tensor:
+    """This rank's slice on its device: on the CPU a view (strided unless dim is outermost)."""
+    rank = dist.get_rank()
+    return x.narrow(dim, sum(widths[:rank]), widths[rank]).to(DEVICE)
+
+
+def whole(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every rank's t on the CPU, concatenated along dim (test-side only: the features travel)."""
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, t.detach().cpu())
+    return torch.cat(pieces, dim)
+
+
+def check_split(x: torch.Tensor, dim: int, widths, what: str, grad: bool = True, **kwargs):
+    """Forward on the slices against the oracle on the whole rows; backward against the
+    single-process gradient of the whole rows."""
+    x_local = my_slice(x, dim, widths).requires_grad_(grad)
+    y_local = flashmax.sparsemax(x_local, dim, group=WORLD, **kwargs)
+    assert y_local.shape == x_local.shape and y_local.is_contiguous(), what
+    y = whole(y_local, dim)
+    try:
+        check_against_oracle(y, x, dim)
+    except AssertionError as error:
+        raise AssertionError(f"{what}: {error}") from None
+    if grad:
+        g = make_input(x.shape, dim, x.dtype, seed=7)
+        y_local.backward(my_slice(g, dim, widths))
+        check_grad(whole(x_local.grad, dim), expected_grad(y.detach(), g, dim), g, what)
+
+
+def adversarial_rows(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows that stress the threshold: ties, offsets, scales, masks, near-max, bad rows."""
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(16, n, generator=g, dtype=torch.float64)
+    rows = [
+        base[0],
+        base[1] * 1e-3,
+        base[2] * 1e3,
+        base[3] + 1e4,
+        base[4] * 1e-3 - 1e4,
+        torch.full((n,), 2.5, dtype=torch.float64),  # all tied
+        torch.rand(n, generator=g, dtype=torch.float64) * 0.999,  # all within 1 of the max
+        torch.linspace(0, 1, n, dtype=torch.float64),  # one long ramp across every rank
+        torch.linspace(1, 0, n, dtype=torch.float64) ** 3,
+        (-torch.arange(n, dtype=torch.float64)).exp2(),  # geometric: the max alone dominates
+        torch.where(torch.arange(n) % 3 == 0, base[5], -math.inf),  # -inf mask
+        torch.where(torch.arange(n) < n - 1, -math.inf, base[6]),  # only the last entry finite
+        base[7].index_fill(0, torch.tensor([n // 2]), math.nan),  # NaN: a NaN row
+        base[8].index_fill(0, torch.tensor([n - 1]), math.inf),  # +inf: a NaN row
+        torch.full((n,), -math.inf, dtype=torch.float64),  # all -inf: a NaN row
+        base[9].round(),  # ties at several levels
+    ]
+    return torch.stack(rows).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases
+# ----------------------------------------------------------------------------------------------
+
+
+@case(*ALL)
+def every_dim_dtype_and_split(rank, world):
+    # 4 processes share 2 cores in CI: world 4 runs a subset (the same code paths).
+    halves = (torch.float16, torch.bfloat16) if world == 2 else ()
+    kinds = (("randn", 1), ("ties", 2), ("near_max", 3), ("spike", 4))[::1 if world == 2 else 3]
+    # world 4: the splits with a 1-feature rank and with a 0-feature rank
+    chosen_splits = splits(23, world) if world == 2 else splits(23, world)[1::2]
+    for dtype in (torch.float32, torch.float64, *halves):
+        for dim in range(3):
+            shape = [3, 4, 2]
+            shape[dim] = 23
+            for kind, seed in kinds:
+                x = make_input(shape, dim, dtype, seed=seed + 10 * dim, kind=kind, mask_p=0.2)
+                for widths in chosen_splits:
+                    check_split(x, dim, widths, f"{dtype} dim={dim} {kind} widths={widths}")
+
+
+@case(*ALL)
+def adversarial_rows_fp32_fp64(rank, world):
+    for dtype in (torch.float32, torch.float64):
+        for n in (5, 64, 257):
+            x = adversarial_rows(n, dtype)
+            for widths in splits(n, world):
+                check_split(x, 1, widths, f"{dtype} n={n} widths={widths}")
+
+
+@case(*ALL)
+def newton_steps_and_collectives_bounded(rank, world):
+    """Per-row scalars only: 3 collectives + one per Newton step, steps within 1 + log2(n)."""
+    for n, kind in ((1000, "randn"), (4096, "randn"), (1000, "spike"), (257, "near_max")):
+        x = make_input((64, n), 1, torch.float32, seed=n, kind=kind)
+        widths = splits(n, world)[0]
+        comm = distributed.Collectives(WORLD, trace=[])
+        distributed.agree(my_slice(x, 1, widths), -1, comm)
+        y_local, steps = distributed.sharded_forward(my_slice(x, 1, widths), 1, comm, n)
+        check_against_oracle(whole(y_local, 1), x, 1)
+        assert 1 <= steps <= distributed.newton_cap(n), (n, kind, steps)
+        kinds = [kind for kind, _, _ in comm.trace]
+        assert kinds == ["all_gather", "all_reduce_max", "all_reduce_max"] + ["all_gather"] * steps
+        for _, shape, _ in comm.trace:
+            assert math.prod(shape) <= 3 * 64, f"a collective of shape {shape}: not per-row"
+
+
+@case(*ALL)
+def bisection_safeguard_is_exact(rank, world):
+    """With the Newton cap at 0 or 1, every step also bisects: still exact, within max_steps."""
+    for dtype in (torch.float32, torch.float64):
+        x = torch.cat([adversarial_rows(200, dtype),
+                       make_input((8, 200), 1, dtype, seed=5, kind="spike")])
+        for cap in (0, 1):
+            for widths in splits(200, world)[:2]:
+                comm = distributed.Collectives(WORLD, trace=[])
+                y_local, steps = distributed.sharded_forward(
+                    my_slice(x, 1, widths), 1, comm, 200, cap=cap)
+                check_against_oracle(whole(y_local, 1), x, 1)
+                assert steps <= distributed.max_steps(200, dtype), steps
+                if steps > cap:  # the steps after the cap evaluate 2 points per row
+                    assert comm.trace[-1][1] == (2, 3, x.shape[0]), comm.trace[-1]
+
+
+@case(*INTERPRETED)
+def triton_kernels_under_the_interpreter(rank, world):
+    """The CUDA path's local work (Triton, run by the interpreter on CPU tensors) in the
+    distributed loop, with chunks of 8 so that rows span several programs."""
+    from flashmax.kernels import distributed as kernels
+
+    x = adversarial_rows(19, torch.float32)[[0, 3, 6, 7, 10, 12, 14]]
+    xt = make_input((2, 19, 3), 1, torch.float32, seed=3, kind="near_max")
+    for data, widths, cap in ((x, [1, 18], None), (x, [11, 8], 0), (xt, [0, 19], None)):
+        x_local = my_slice(data, 1, widths)
+        local = kernels.TritonShard(x_local, 1, chunk=8)
+        y_local, _ = distributed.sharded_forward(
+            x_local, 1, distributed.Collectives(WORLD), data.shape[1], local=local, cap=cap)
+        check_against_oracle(whole(y_local, 1), data, 1)
+
+
+@case("gloo-2", "nccl-2")
+def double_backward(rank, world):
+    x = make_input((5, 30), 1, torch.float64, seed=8, scale=0.5)
+    g = make_input((5, 30), 1, torch.float64, seed=9)
+    h = make_input((5, 30), 1, torch.float64, seed=10)
+    widths = [13, 17]
+    x_local = my_slice(x, 1, widths).clone().requires_grad_()
+    g_local = my_slice(g, 1, widths).clone().requires_grad_()
+    y_local = flashmax.sparsemax(x_local, 1, group=WORLD)
+    (dx,) = torch.autograd.grad(y_local, x_local, g_local, create_graph=True)
+    dx.backward(my_slice(h, 1, widths))
+    xw, gw = x.clone().requires_grad_(), g.clone().requires_grad_()
+    (dx_ref,) = torch.autograd.grad(flashmax.sparsemax(xw, 1), xw, gw, create_graph=True)
+    dx_ref.backward(h)
+    torch.testing.assert_close(whole(dx, 1), dx_ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(whole(g_local.grad, 1), gw.grad, rtol=0, atol=1e-12)
+
+
+@case(*ALL)
+def contract_details(rank, world):
+    x = make_input((6, 40), 1, torch.float32, seed=11)
+    widths = splits(40, world)[1]
+    x_local = my_slice(x, 1, widths)
+    before = x_local.clone()
+    y1 = flashmax.sparsemax(x_local, -1, group=WORLD)
+    y2 = flashmax.sparsemax(x_local, -1, group=WORLD)
+    assert_bitwise_equal(y1, y2, "not deterministic")
+    assert_bitwise_equal(x_local, before, "the input was modified")
+    assert y1.untyped_storage().data_ptr() != x_local.untyped_storage().data_ptr()
+    # No rows anywhere; no features anywhere; a 0-d tensor per rank: a row of `world` entries.
+    for shape in ((0, 3), (4, 0)):
+        empty = torch.zeros(shape, device=DEVICE, requires_grad=True)
+        y = flashmax.sparsemax(empty, 1, group=WORLD)
+        assert y.shape == shape
+        y.sum().backward()
+    scalar = torch.tensor(float(rank) * 0.3, device=DEVICE)
+    y = flashmax.sparsemax(scalar, 0, group=WORLD)
+    want = oracle(torch.arange(world) * 0.3, 0)[rank]
+    assert y.shape == () and abs(y.item() - want.item()) < 1e-6
+
+
+@case(*ALL)
+def group_of_one_and_subgroups(rank, world):
+    """A group of one is the plain call, bit for bit; a subgroup splits over its own ranks."""
+    singles = [dist.new_group([r]) for r in range(world)]
+    pair = dist.new_group([0, 1])
+    x = make_input((4, 3, 9), 1, torch.float32, seed=12, mask_p=0.3).to(DEVICE).requires_grad_()
+    y = flashmax.sparsemax(x, 1, group=singles[rank])
+    y.sum().backward()
+    xp = x.detach().clone().requires_grad_()
+    assert_bitwise_equal(y, flashmax.sparsemax(xp, 1), "group of one")
+    flashmax.sparsemax(xp, 1).sum().backward()
+    assert_bitwise_equal(x.grad, xp.grad, "group of one, gradient")
+    if rank < 2:
+        x_local = my_slice(x.detach(), 2, [4, 5])
+        y_local = flashmax.sparsemax(x_local, 2, group=pair)
+        pieces = [None, None]
+        dist.all_gather_object(pieces, y_local.cpu(), group=pair)
+        check_against_oracle(torch.cat(pieces, 2), x.detach().cpu(), 2)
+    dist.barrier()
+
+
+@case(*ALL)
+def disagreement_is_an_error_on_every_rank(rank, world):
+    """Each rank passes a different input; every rank raises, none hangs, and the next call
+    still works (the ranks stay in step)."""
+    whole_good = make_input((4, 6), 1, torch.float32, seed=13)
+    good = whole_good.to(DEVICE)
+    odd = rank == world - 1
+    bad_inputs = {
+        "rows": (torch.zeros((5 if odd else 4, 6), device=DEVICE), -1, ValueError),
+        "dtype": (good.double() if odd else good, -1, ValueError),
+        "dim": (torch.zeros(6, 6, device=DEVICE), 0 if odd else 1, ValueError),
+        "shape apart from dim": (torch.zeros((3, 2, 6) if odd else (2, 3, 6), device=DEVICE), -1,
+                                 ValueError),
+        "gradient": (good.clone().requires_grad_(odd), -1, ValueError),
+        "int dtype": (good.int() if odd else good, -1, TypeError if odd else ValueError),
+        "dim out of range": (good, 5 if odd else -1, IndexError if odd else ValueError),
+        "not a tensor": ([1.0] if odd else good, -1, TypeError if odd else ValueError),
+    }
+    for what, (x, dim, error) in bad_inputs.items():
+        with pytest.raises(error) as raised:
+            flashmax.sparsemax(x, dim, group=WORLD)
+        if error is ValueError and what not in ("int dtype", "dim out of range", "not a tensor"):
+            assert "rank 0" in str(raised.value) and f"rank {world - 1}" in str(raised.value)
+        check_split(whole_good, 1, splits(6, world)[0], f"after {what}", grad=False)
+
+
+@case("gloo-2")
+def bench_quick(rank, world):
+    """The benchmark script's --quick run inside this world; the parent reads its JSON."""
+    spec = importlib.util.spec_from_file_location("distributed_bench",
+                                                  ROOT / "benchmarks" / "distributed_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = os.environ["FLASHMAX_TEST_OUT"]
+    args = bench.parse_args(["--quick", "--out", out, "--rows", "8", "--features", "300"])
+    bench.run(args, WORLD)
+
+
+# ----------------------------------------------------------------------------------------------
+# The parent: one spawn per world size, one test per case
+# ----------------------------------------------------------------------------------------------
+
+
+def _worker(rank, backend, world, port, names, out_dir):
+    global WORLD, DEVICE
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    os.environ["FLASHMAX_TEST_OUT"] = out_dir
+    DEVICE = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    WORLD = dist.group.WORLD
+    outcomes = {}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            CASES[name][0](rank, world)
+            outcomes[name] = {"error": None}
+        except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+            outcomes[name] = {"error": traceback.format_exc()}
+        outcomes[name]["seconds"] = time.perf_counter() - start
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(config: str, out_dir: Path) -> dict:
+    """Every rank's outcomes, or a failure that names the ranks that died or hung."""
+    backend, world = CONFIGS[config]
+    names = [name for name, (_, configs) in CASES.items() if config in configs]
+    context = multiprocessing.get_context("spawn")
+    port = _free_port()
+    ranks = [context.Process(target=_worker,
+                             args=(rank, backend, world, port, names, str(out_dir)))
+             for rank in range(world)]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + DEADLINE_S
+    for process in ranks:
+        process.join(max(deadline - time.monotonic(), 0))
+    hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
+    for process in ranks:
+        if process.is_alive():
+            process.terminate()
+            process.join(5)
+    failed = [(rank, process.exitcode) for rank, process in enumerate(ranks)
+              if process.exitcode != 0]
+    if hung or failed:
+        return {"spawn_error": f"{config}: ranks {hung} hung past {DEADLINE_S} s; "
+                               f"(rank, exit code) {failed}"}
+    return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)}
+
+
+_RUNS = {}
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+    def run(config):
+        if config not in _RUNS:
+            out_dir = tmp_path_factory.mktemp(config)
+            _RUNS[config] = (_spawn(config, out_dir), out_dir)
+        return _RUNS[config]
+
+    return run
+
+
+@pytest.mark.parametrize("config,name", [(config, name) for name, (_, configs) in CASES.items()
+                                         for config in configs])
+def test_case(run_config, config, name):
+    outcomes, out_dir = run_config(config)
+    assert "spawn_error" not in outcomes, outcomes.get("spawn_error")
+    errors = {rank: ranks[name]["error"] for rank, ranks in outcomes.items()
+              if ranks[name]["error"]}
+    assert not errors, "\n".join(f"rank {rank}:\n{error}" for rank, error in errors.items())
+    if name == "bench_quick":
+        record = json.loads((out_dir / "distributed.json").read_text())
+        assert record["world"] == 2 and record["backend"] == "gloo"
+        assert (record["rows"], record["features"], record["widths"]) == (8, 300, [150, 150])
+        assert record["max_abs_diff_vs_whole_rows"] < 1e-6
+        assert record["relative_error_vs_fp64_oracle"] < 1e-6
+        assert record["max_row_sum_error"] < 1e-5
+        assert 4 <= record["forward_collectives"] == 3 + record["newton_steps"]
+        assert 0 < record["forward_collectives_share"] and record["sharded_forward_ms"] > 0
+
+
+def test_step_caps():
+    """The caps: 1 + ceil(log2(width)) Newton steps, then the bisection's float resolution."""
+    assert distributed.newton_cap(1) == 1 and distributed.newton_cap(1024) == 11
+    assert distributed.newton_cap(1025) == 12
+    assert distributed.max_steps(1024, torch.float32) == 11 + 10 + 23 + 2  # eps = 2^-23
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_triton_local_work_matches_torch(dim):
+    """Each local pass of the CUDA path (Triton: under the interpreter, or compiled with
+    FLASHMAX_TEST_DEVICE=cuda) against the torch path, on a strided view with NaN, +inf and
+    -inf rows, in chunks of 8."""
+    from flashmax.kernels import distributed as kernels
+
+    def on(t):
+        return t.to(KERNEL_DEVICE)
+
+    shape = [2, 3, 4]
+    shape[dim] = 19
+    x = make_input(shape, dim, torch.float32, seed=dim, scale=0.4).transpose(0, 2)
+    dim = 2 - dim
+    rows = x.movedim(dim, -1)
+    rows[0, 0, 3], rows[1, 1, 0], rows[0, 1] = math.nan, math.inf, -math.inf
+    on_torch, on_triton = distributed.TorchShard(x, dim), kernels.TritonShard(on(x), dim, chunk=8)
+    row_max = on_torch.row_max()
+    assert_bitwise_equal(on_triton.row_max().cpu(), row_max, "row max")
+    row_max = torch.where(row_max.isnan(), math.inf, row_max)
+    good = torch.isfinite(row_max)
+    bound = on_torch.bound(row_max)
+    chunk_bound = on_triton.bound(on(row_max)).cpu()
+    # The exact tau of the slice (3 chunks of 8) bounds the exact tau of each chunk.
+    assert bool((chunk_bound[good] <= bound[good] + 1e-7).all())
+    taus = torch.stack([bound, bound - 0.3]).clamp_min(-1).masked_fill(~good, math.nan)
+    centre = torch.full_like(bound, 0.2)
+    torch.testing.assert_close(on_triton.sums(on(row_max), on(taus), on(centre)).cpu()[..., good],
+                               on_torch.sums(row_max, taus, centre)[..., good], rtol=1e-6,
+                               atol=1e-6)
+    step = torch.full_like(bound, 0.01)
+    y_triton = on_triton.write(on(row_max), on(bound), on(step)).cpu()
+    y = on_torch.write(row_max, bound, step)
+    torch.testing.assert_close(y_triton, y, equal_nan=True)
+    y = y.nan_to_num(0.5)
+    g = make_input(y.shape, dim, torch.float32, seed=5).transpose(0, 1).contiguous().transpose(0, 1)
+    sums = kernels.support_sums(on(y), on(g), dim, chunk=8).cpu()
+    torch.testing.assert_close(sums, distributed.torch_support_sums(y, g, dim), atol=1e-6, rtol=0)
+    mean = sums[0] / sums[1]
+    torch.testing.assert_close(kernels.backward_write(on(y), on(g), on(mean), dim, chunk=8).cpu(),
+                               distributed.torch_backward_write(y, g, mean, dim))
