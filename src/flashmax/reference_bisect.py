@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from . import reference as sparsemax_reference
+
 # |Σp − 1| below this many ulps of 1, times max(k, 1), ends a row's iteration.
 TOLERANCE_ULPS = 8
 
@@ -70,21 +72,17 @@ def newton_bisect_step(f, f_before, slope_sum, k, tau, lo, hi, tol):
     return torch.where(use_newton, newton, mid), lo, hi, converged
 
 
-def entmax_bisect_forward(x: torch.Tensor, alpha: torch.Tensor, n_iter: int,
-                          ensure_sum_one: bool) -> torch.Tensor:
-    """α-entmax of each row of x (rows, n >= 1) with alpha (rows, 1); at most n_iter steps."""
-    row_max = x.amax(-1, keepdim=True)
-    bad = bad_rows(row_max, alpha)
-    alpha_minus_1 = torch.where(bad, 1.0, alpha - 1)
-    k = 1 / alpha_minus_1
-    z = alpha_minus_1 * (x - torch.where(bad, 0.0, row_max))
-    z = z.masked_fill(bad, 0.0)  # NaN rows: harmless numbers, done from the start
-    lo, hi = initial_bracket(alpha_minus_1, x.shape[-1])
+def solve(z: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+          done: torch.Tensor, n_iter: int):
+    """At most n_iter safeguarded steps from τ = lo for the rows not done, on z (rows, m),
+    -inf padding allowed. Returns (τ last evaluated, Σp there, lo): lo is the largest τ seen
+    with Σp > 1, a lower bound on the root of any superset of each row."""
     tol = tolerance(k)
     tau, tau_out, sum_out = lo, lo, torch.ones_like(lo)
     f_before = torch.full_like(lo, torch.inf)
-    done = bad.clone()
     for _ in range(n_iter):
+        if bool(done.all()):
+            break
         p, slope_terms = powers(z, tau, k)
         total = p.sum(-1, keepdim=True)
         next_tau, next_lo, next_hi, converged = newton_bisect_step(
@@ -95,11 +93,34 @@ def entmax_bisect_forward(x: torch.Tensor, alpha: torch.Tensor, n_iter: int,
         lo, hi = torch.where(done, lo, next_lo), torch.where(done, hi, next_hi)
         done = done | converged
         tau = torch.where(done, tau, next_tau)
-        if bool(done.all()):
-            break
-    y, _ = powers(z, tau_out, k)
+    return tau_out, sum_out, lo
+
+
+def entmax_bisect_forward(x: torch.Tensor, alpha: torch.Tensor, n_iter: int,
+                          ensure_sum_one: bool) -> torch.Tensor:
+    """α-entmax of each row of x (rows, n >= 1) with alpha (rows, 1); at most n_iter steps
+    over the row's candidates.
+
+    As in sparsemax's CPU path, the root for a subset of a row is a lower bound on the row's
+    (fewer terms, smaller f): solving first on the maxima of groups of entries (1/GROUP of the
+    row) bounds τ from below, and only the groups whose maximum exceeds that bound can hold
+    support, usually a small part of the row.
+    """
+    row_max = x.amax(-1, keepdim=True)
+    bad = bad_rows(row_max, alpha)
+    alpha_minus_1 = torch.where(bad, 1.0, alpha - 1)
+    k = 1 / alpha_minus_1
+    z = alpha_minus_1 * (x - torch.where(bad, 0.0, row_max))
+    z = z.masked_fill(bad, -torch.inf)  # NaN rows: no candidates, done from the start
+    lo, hi = initial_bracket(alpha_minus_1, x.shape[-1])
+    groups = sparsemax_reference._groups(z)
+    maxima = groups.amax(-1)
+    _, _, lo = solve(maxima, k, lo, hi, bad, n_iter)
+    candidates = sparsemax_reference._pack_groups(groups, maxima > lo)
+    tau, total, _ = solve(candidates, k, lo, hi, bad, n_iter)
+    y, _ = powers(z, tau, k)
     if ensure_sum_one:
-        y = y / sum_out
+        y = y / total
     return y.masked_fill(bad, torch.nan)
 
 
