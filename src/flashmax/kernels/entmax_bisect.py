@@ -58,7 +58,8 @@ def _power_sums(z, tau, k):
 
 @triton.jit
 def _setup(row_max, alpha, n, ZTYPE: tl.constexpr, PTYPE: tl.constexpr):
-    """Per row: (bad, α − 1 in ZTYPE, k and tolerance in PTYPE, lower and upper bound on τ)."""
+    """Per row: (bad, α − 1 in ZTYPE, k and tolerance in PTYPE, lower and upper bound on τ
+    in ZTYPE)."""
     bad = _is_bad(row_max) | ~((alpha > 1) & (alpha < float("inf")))
     am1 = tl.where(bad, 1.0, alpha - 1).to(ZTYPE)
     k = (1 / am1).to(PTYPE)
@@ -67,6 +68,12 @@ def _setup(row_max, alpha, n, ZTYPE: tl.constexpr, PTYPE: tl.constexpr):
     lo = tl.full(am1.shape, -1.0, ZTYPE)
     hi = -tl.exp2(-am1 * tl.log2(tl.zeros_like(am1) + n))  # n may be a constexpr 1
     return bad, am1, k, tol, lo, hi
+
+
+@triton.jit
+def _start(tol, lo, bad):
+    """The iteration's state before the first step: (τ, f before, τ out, Σp out, done)."""
+    return lo, tl.full(tol.shape, float("inf"), tol.dtype), lo, tl.full(tol.shape, 1.0, tol.dtype), bad
 
 
 @triton.jit
@@ -123,11 +130,7 @@ def entmax_bisect_forward_kernel(
     row_max = _tile_max(x)
     bad, am1, k, tol, lo, hi = _setup(row_max, alpha, n, tl.float64, PTYPE)
     z = am1[:, None, None] * (x.to(tl.float64) - row_max.to(tl.float64)[:, None, None])
-    tau = lo
-    f_before = tl.full(tol.shape, float("inf"), PTYPE)
-    tau_out = tau
-    sum_out = tl.full(tol.shape, 1.0, PTYPE)
-    done = bad
+    tau, f_before, tau_out, sum_out, done = _start(tol, lo, bad)
     it = 0
     while _remaining(done, it, n_iter) > 0:
         total, slope_total = _power_sums(z, tau, k)
@@ -161,11 +164,7 @@ def entmax_bisect_forward_streamed_kernel(
     alpha = _row_alpha(A, row, n_rows, inner, a_stride_outer, a_stride_inner, 1)
     bad, am1, k, tol, lo, hi = _setup(row_max, alpha, n, tl.float64, PTYPE)
     shift = row_max.to(tl.float64)[:, None, None]
-    tau = lo
-    f_before = tl.full(tol.shape, float("inf"), PTYPE)
-    tau_out = tau
-    sum_out = tl.full(tol.shape, 1.0, PTYPE)
-    done = bad
+    tau, f_before, tau_out, sum_out, done = _start(tol, lo, bad)
     it = 0
     while _remaining(done, it, n_iter) > 0:
         total = tl.zeros([1], PTYPE)
@@ -223,6 +222,21 @@ def _alpha_gradient(alpha, s_total, gs_total, gy_total, gylny_total, ylny_total)
 
 
 @triton.jit
+def _load_y_g(Yp, G, block, start, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+              g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M: tl.constexpr,
+              WIDTH: tl.constexpr, WIDE: tl.constexpr):
+    """y and g (in y's compute dtype) at entries start ... start + WIDTH of BLOCK_M rows, and
+    the mask."""
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    y_off, mask = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+    g_off, _ = _row_offsets(block, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
+                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    return y, tl.load(G + g_off, mask=mask, other=0.0).to(compute), mask
+
+
+@triton.jit
 def entmax_bisect_backward_kernel(
     Yp, G, A, DX, DA, n_rows, n, inner,
     y_stride_outer, y_stride_inner, y_stride_n,
@@ -235,12 +249,9 @@ def entmax_bisect_backward_kernel(
     """The entmax package's gradients w.r.t. x and α: BLOCK_M whole rows per program."""
     block = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
-    y_off, mask = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                               y_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
-    g_off, _ = _row_offsets(block, 0, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                            g_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
-    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    y, g, mask = _load_y_g(Yp, G, block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                           y_stride_n, g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M,
+                           BLOCK_N, WIDE)
     alpha = _row_alpha(A, block, n_rows, inner, a_stride_outer, a_stride_inner,
                        BLOCK_M).to(compute)
     q, d_alpha = _alpha_gradient(alpha, *_gradient_sums(y, g, alpha))
@@ -274,22 +285,16 @@ def entmax_bisect_backward_streamed_kernel(
     gylny_total = tl.zeros([1], compute)
     ylny_total = tl.zeros([1], compute)
     for start in range(0, n, CHUNK):
-        y_off, mask = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                   y_stride_n, 1, 1, CHUNK, WIDE)
-        g_off, _ = _row_offsets(row, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                                g_stride_n, 1, 1, CHUNK, WIDE)
-        y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+        y, g, mask = _load_y_g(Yp, G, row, start, n_rows, n, inner, y_stride_outer,
+                               y_stride_inner, y_stride_n, g_stride_outer, g_stride_inner,
+                               g_stride_n, 1, CHUNK, WIDE)
         s_total, gs_total, gy_total, gylny_total, ylny_total = _add5(
             s_total, gs_total, gy_total, gylny_total, ylny_total, *_gradient_sums(y, g, alpha))
     q, d_alpha = _alpha_gradient(alpha, s_total, gs_total, gy_total, gylny_total, ylny_total)
     for start in range(0, n, CHUNK):
-        y_off, mask = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                   y_stride_n, 1, 1, CHUNK, WIDE)
-        g_off, _ = _row_offsets(row, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                                g_stride_n, 1, 1, CHUNK, WIDE)
-        y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+        y, g, mask = _load_y_g(Yp, G, row, start, n_rows, n, inner, y_stride_outer,
+                               y_stride_inner, y_stride_n, g_stride_outer, g_stride_inner,
+                               g_stride_n, 1, CHUNK, WIDE)
         dx_off, _ = _row_offsets(row, start, n_rows, n, inner, dx_stride_outer,
                                  dx_stride_inner, dx_stride_n, 1, 1, CHUNK, WIDE)
         tl.store(DX + dx_off, _gradient_tile(y, g, alpha, q).to(DX.dtype.element_ty), mask=mask)
