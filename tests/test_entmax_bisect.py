@@ -631,8 +631,10 @@ def test_cuda_graph_capture():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = entmax_bisect(x, alpha)
+        y_float = entmax_bisect(x, 3.0)  # a float α is a fill, not a host-to-device copy
     x.copy_(make_rows("tiny", 256, 4096, seed=29))
     alpha.fill_(1.25)
     graph.replay()
     torch.cuda.synchronize()
     check_against_oracle(y, x.cpu(), 1.25, -1, rtol=1e-5)
+    check_against_oracle(y_float, x.cpu(), 3.0, -1, rtol=1e-5)

@@ -122,7 +122,8 @@ def _alpha_per_slice(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
             raise TypeError(f"{NAME}: alpha must be a float or a tensor, got {type(alpha).__name__}")
         if not (1 < alpha < math.inf):
             raise ValueError(f"{NAME}: alpha must be > 1 and finite, got {alpha}")
-        return torch.tensor(float(alpha), dtype=torch.float64, device=x.device).expand(shape)
+        # A fill, not a host-to-device copy: capturable in a CUDA graph.
+        return x.new_full((), float(alpha), dtype=torch.float64).expand(shape)
     if alpha.is_complex() or alpha.dtype == torch.bool:
         raise TypeError(f"{NAME}: alpha must be a real tensor, got dtype {alpha.dtype}")
     if alpha.dim() > len(shape) or torch.broadcast_shapes(alpha.shape, shape) != tuple(shape):

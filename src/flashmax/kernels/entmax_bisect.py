@@ -21,6 +21,8 @@ from .sparsemax import (_add_add, _is_bad, _nan_max, _row_offsets, _rows, _strid
                         _wide, launch_config, rows_view)
 from ..reference_bisect import TOLERANCE_ULPS
 
+_TOLERANCE_ULPS = tl.constexpr(TOLERANCE_ULPS)  # jit functions read only constexpr globals
+
 
 @triton.jit
 def _add5(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
@@ -64,7 +66,7 @@ def _setup(row_max, alpha, n, ZTYPE: tl.constexpr, PTYPE: tl.constexpr):
     am1 = tl.where(bad, 1.0, alpha - 1).to(ZTYPE)
     k = (1 / am1).to(PTYPE)
     eps: tl.constexpr = 2.220446049250313e-16 if PTYPE == tl.float64 else 1.1920928955078125e-07
-    tol = TOLERANCE_ULPS * eps * tl.maximum(k, 1.0)
+    tol = _TOLERANCE_ULPS * eps * tl.maximum(k, 1.0)
     lo = tl.full(am1.shape, -1.0, ZTYPE)
     hi = -tl.exp2(-am1 * tl.log2(tl.zeros_like(am1) + n))  # n may be a constexpr 1
     return bad, am1, k, tol, lo, hi
@@ -131,7 +133,7 @@ def entmax_bisect_forward_kernel(
     bad, am1, k, tol, lo, hi = _setup(row_max, alpha, n, tl.float64, PTYPE)
     z = am1[:, None, None] * (x.to(tl.float64) - row_max.to(tl.float64)[:, None, None])
     tau, f_before, tau_out, sum_out, done = _start(tol, lo, bad)
-    it = 0
+    it = tl.full([], 0, tl.int32)
     while _remaining(done, it, n_iter) > 0:
         total, slope_total = _power_sums(z, tau, k)
         tau, lo, hi, f_before, tau_out, sum_out, done = _advance(
@@ -165,7 +167,7 @@ def entmax_bisect_forward_streamed_kernel(
     bad, am1, k, tol, lo, hi = _setup(row_max, alpha, n, tl.float64, PTYPE)
     shift = row_max.to(tl.float64)[:, None, None]
     tau, f_before, tau_out, sum_out, done = _start(tol, lo, bad)
-    it = 0
+    it = tl.full([], 0, tl.int32)
     while _remaining(done, it, n_iter) > 0:
         total = tl.zeros([1], PTYPE)
         slope_total = tl.zeros([1], PTYPE)
