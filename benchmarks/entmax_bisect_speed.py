@@ -1,7 +1,7 @@
 """flashmax.entmax_bisect against its peers at one shape: time, accuracy, CUDA-graph capture.
 
     PYTHONPATH=src python benchmarks/entmax_bisect_speed.py [--tokens 2048] [--features 4096]
-        [--alphas 1.5 1.25 2 3] [--dtype fp32]
+        [--alphas 1.5 1.25 2 3] [--dtype fp32] [--warps 1 2 4 8 16]
 
 Peers, when installed: the entmax package's `entmax_bisect` (its default 50 bisection steps) and
 AdaSplash's `triton_entmax` (a fixed number of Halley/bisection steps, inexact by design).
@@ -10,6 +10,8 @@ the L2 cache flushed before each (flashmax.bench.timing). Relative error against
 package in float64 with 200 steps (or flashmax in float64 when entmax is absent) on the first
 256 rows. Prints a table and the entmax/flashmax ratio; writes entmax_bisect_speed.json under
 $OUT when it is set. On a CPU it runs the same on a small shape (the CPU path), and says so.
+--warps also times flashmax's forward kernel at each of those num_warps (tuning the launch
+heuristic, `kernels.entmax_bisect._warps`).
 """
 
 import argparse
@@ -95,6 +97,24 @@ def run(args):
             except Exception as error:  # a peer that fails here is reported, not fatal
                 record["error"] = describe_error(error)
             records.append(record)
+        if device.type == "cuda":
+            records += warps_sweep(x, alpha, args.warps, budget, copy)
+    return records
+
+
+def warps_sweep(x, alpha, warps, budget, copy):
+    from flashmax.kernels import entmax_bisect as kernels
+
+    alpha_rows = x.new_full((), alpha, dtype=torch.float64).expand(x.shape[0], 1)
+    records = []
+    for num_warps in warps:
+        def forward():
+            return kernels.entmax_bisect_forward(x, alpha_rows, 1, 50, True, num_warps=num_warps)
+
+        timing = measure(forward, x.device, budget)
+        records.append({"impl": f"flashmax-warps{num_warps}", "alpha": alpha,
+                        "forward_us": timing.median_us, "copy_us": copy})
+        print(f"alpha={alpha} num_warps={num_warps}: {timing.median_us:.1f} us")
     return records
 
 
@@ -102,6 +122,8 @@ def report(records):
     print(f"{'impl':<10} {'alpha':>5} {'fwd us':>9} {'x copy':>7} {'fwd+bwd us':>11} "
           f"{'graph us':>9} {'rel err':>9} {'sum err':>8}")
     for r in records:
+        if "forward_backward_us" not in r and "error" not in r:
+            continue  # the warps sweep, printed as it ran
         if "error" in r:
             print(f"{r['impl']:<10} {r['alpha']:>5} error: {r['error']}")
             continue
@@ -125,6 +147,8 @@ def main():
     parser.add_argument("--features", type=int, default=4096)
     parser.add_argument("--alphas", type=float, nargs="+", default=[1.5, 1.25, 2.0, 3.0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--warps", type=int, nargs="*", default=[],
+                        help="also time flashmax's forward kernel at these num_warps")
     parser.add_argument("--gpu-ms", type=float, default=200.0, help="GPU time per measurement")
     args = parser.parse_args()
     records = run(args)

@@ -12,13 +12,16 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashmax
 from flashmax import EntmaxBisect, entmax_bisect
 from oracle import oracle as sparsemax_oracle
 from oracle import relative_error
-from test_sparsemax import (FLOAT_DTYPES, HALF_DTYPES, assert_bitwise_equal, assert_within_ulps,
-                            make_input, noncontiguous_copy, separated_input)
+from test_sparsemax import (FLOAT_DTYPES, HALF_DTYPES, PROPERTY_SETTINGS, assert_bitwise_equal,
+                            assert_within_ulps, inputs, make_input, noncontiguous_copy,
+                            separated_input)
 
 DEVICE = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu")
 ON_GPU = DEVICE == "cuda"
@@ -638,3 +641,29 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     check_against_oracle(y, x.cpu(), 1.25, -1, rtol=1e-5)
     check_against_oracle(y_float, x.cpu(), 3.0, -1, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Property tests (sparsemax's input strategy: shapes, dims, dtypes, scales, offsets, masks,
+# layouts), with a drawn α per call or per slice
+# ----------------------------------------------------------------------------------------------
+
+
+@settings(PROPERTY_SETTINGS, max_examples=60)
+@given(inputs(), st.floats(1.05, 4.0), st.booleans(), st.integers(0, 2**32 - 1))
+def test_property_matches_oracle(case, alpha, per_slice, seed):
+    x, dim = case
+    if per_slice:
+        shape = list(x.shape)
+        shape[dim] = 1
+        g = torch.Generator().manual_seed(seed)
+        alpha = 1.05 + 3 * torch.rand(shape, generator=g, dtype=torch.float64)
+    x0 = x.clone()
+    y = entmax_bisect(x.to(DEVICE), alpha, dim).cpu()
+    assert_bitwise_equal(x, x0, "x was modified")
+    assert not bool(torch.isnan(y).any()) and bool((y >= 0).all()) and bool((y <= 1).all())
+    assert bool((y[x == -INF] == 0).all()), "-inf entries must be 0"
+    # The oracle's float64 τ is itself only exact to an ulp: for α > 2 an entry at τ can get
+    # (ulp)^(1/(α−1)), so compare on α <= 2.5 tightly and loosely above.
+    tight = float(torch.as_tensor(alpha).max()) <= 2.5
+    check_against_oracle(y, x, alpha, dim, rtol=None if tight else 1e-4)
