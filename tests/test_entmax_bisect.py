@@ -537,6 +537,14 @@ def test_kernel_matches_oracle(dist, alpha):
 
 
 @needs_triton
+@pytest.mark.parametrize("alpha", [1.0001, 1.001, 1.01])
+def test_kernel_alpha_near_1(alpha):
+    """float32 d = z − τ is raised to k = 1/(α−1): its rounding must not grow with k."""
+    x = make_rows("randn", K_ROWS, 300, seed=30)
+    check_against_oracle(kernel_forward(x, alpha), x.cpu(), alpha, -1, rtol=2e-6)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_kernel_dtypes(dtype):
     for alpha in (1.25, 3.0):

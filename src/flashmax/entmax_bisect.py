@@ -4,7 +4,8 @@ Names and signatures follow the entmax package (`entmax_bisect`, `EntmaxBisect`)
 `import flashmax as entmax` works for them. CUDA tensors run the Triton kernels in
 `flashmax.kernels.entmax_bisect`; every other tensor runs `flashmax.reference_bisect` in
 float64. Both use a bisection-safeguarded Newton iteration on τ (see `reference_bisect`), so
-`n_iter` bounds the number of steps, each a pass over the row; rows stop early once converged.
+`n_iter` bounds the number of steps, each a pass over the row (the CPU path first spends up to
+as many on the row's group maxima, 1/8 of it); rows stop early once converged.
 
 α travels as a float64 tensor of x's shape with size 1 along dim (an expanded view when it is
 one number), one α per slice. The backward op gives the entmax package's gradients w.r.t. x

@@ -1,7 +1,7 @@
 """Pure-torch α-entmax by safeguarded Newton: the CPU path, and the fallback without Triton.
 
-Every function here works on the rows of a 2-D tensor already in its compute dtype (float32 or
-float64), with one α per row; `flashmax.entmax_bisect` moves `dim` last with a view.
+Every function here works on the rows of a 2-D float32 or float64 tensor, with one α per row;
+`flashmax.entmax_bisect` hands it float64 rows (see the last paragraph).
 
 α-entmax is p_i = [(α−1)x_i − τ]_+^k with k = 1/(α−1) and τ such that Σp = 1. In shifted
 coordinates z = (α−1)(x − max) ≤ 0 the root lies in [−1, −n^−(α−1)]: at τ = −1 the largest
@@ -11,8 +11,9 @@ and takes the Newton step when it lands strictly inside the bracket and the last
 halved |f|, else the bracket's midpoint.
 
 Why this works for every α > 1: for k ≥ 1 (α ≤ 2) f is convex, so Newton from τ = −1 (where
-f ≥ 0) rises monotonically, never leaves the bracket, and cuts f by at least (1 − 1/k)^k < 1/e
-per step far from the root (quadratically near it): bisection is never needed. For k < 1 (α > 2)
+f ≥ 0) rises monotonically and never leaves the bracket; far from the root a step leaves about
+(1 − 1/k)^k < 1/e of f (exactly so for a single term), so the halving test seldom forces a
+bisection, and near the root convergence is quadratic. For k < 1 (α > 2)
 f is concave between entries but has a vertical tangent where an entry joins the support, so
 Newton may overshoot (the bracket catches it) or crawl towards such a kink without reaching the
 root (the halving test catches it). Every two steps either |f| or the bracket halves, so the

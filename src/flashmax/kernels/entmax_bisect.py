@@ -40,14 +40,24 @@ def _row_alpha(A, block, n_rows, inner, a_stride_outer, a_stride_inner, BLOCK_M:
 @triton.jit
 def _powers(z, tau, k):
     """(p, p / d) over a [BLOCK_M, A, B] tile, d = z − τ in the powers' dtype k.dtype:
-    p = d_+^k, exactly d for k = 1 (α = 2 is sparsemax to the last bit of d)."""
-    d = (z - tau[:, None, None]).to(k.dtype)
+    p = d_+^k, exactly d for k = 1 (α = 2 is sparsemax to the last bit of d).
+
+    With float64 z and float32 powers, log2(d) gets the first-order correction for d's
+    rounding to float32: k log2(d) amplifies it by k, which grows without bound as α → 1.
+    """
+    d_wide = z - tau[:, None, None]
+    d = d_wide.to(k.dtype)
     support = d > 0
     d_safe = tl.where(support, d, 1.0)
+    inv_d = 1.0 / d_safe
+    log2_d = tl.log2(d_safe)
+    if d_wide.dtype != d.dtype:
+        rounding = (d_wide - d_safe.to(d_wide.dtype)).to(d.dtype)
+        log2_d += tl.where(support, rounding * inv_d * 1.4426950408889634, 0.0)
     kk = k[:, None, None]
-    p = tl.where(kk == 1.0, d_safe, tl.exp2(kk * tl.log2(d_safe)))
+    p = tl.where(kk == 1.0, d_safe, tl.exp2(kk * log2_d))
     p = tl.where(support, p, 0.0)
-    return p, p / d_safe
+    return p, p * inv_d
 
 
 @triton.jit
