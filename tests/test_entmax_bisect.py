@@ -537,6 +537,18 @@ def test_kernel_matches_oracle(dist, alpha):
 
 
 @needs_triton
+@pytest.mark.parametrize("alpha", [1.1, 1.5, 3.0])
+@pytest.mark.parametrize("group", [4, 8])
+def test_kernel_group_maxima_bound(alpha, group):
+    """The first solve, on group maxima, must give the full rows a valid lower bound."""
+    for seed, dist in enumerate(["randn", "near_max", "ties", "masked", "huge"]):
+        x = make_rows(dist, K_ROWS, 100, seed=31 + seed)
+        x[0, 1:] = -INF  # one entry: a single group holds the support
+        check_against_oracle(kernel_forward(x, alpha, group=group), x.cpu(), alpha, -1,
+                             rtol=1e-5 if alpha > 2 else 1e-6)
+
+
+@needs_triton
 @pytest.mark.parametrize("alpha", [1.0001, 1.001, 1.01])
 def test_kernel_alpha_near_1(alpha):
     """float32 d = z − τ is raised to k = 1/(α−1): its rounding must not grow with k."""
@@ -555,8 +567,8 @@ def test_kernel_dtypes(dtype):
 
 @needs_triton
 @pytest.mark.parametrize("config", [{"chunk": 32}, {"chunk": 16, "num_warps": 1},
-                                    {"block_m": 2}, {"num_warps": 1, "block_m": 1}],
-                         ids=["streamed", "streamed-one-warp", "two-rows", "one-row"])
+                                    {"block_m": 2, "group": 4}, {"num_warps": 1, "block_m": 1}],
+                         ids=["streamed", "streamed-one-warp", "two-rows-groups", "one-row"])
 def test_kernel_launch_paths(config):
     for alpha in (1.5, 3.0):
         x = make_rows("randn", 2 * K_ROWS + 1, 100, seed=20)
@@ -566,7 +578,8 @@ def test_kernel_launch_paths(config):
 
 
 @needs_triton
-@pytest.mark.parametrize("config", [{}, {"chunk": 16}], ids=["in-registers", "streamed"])
+@pytest.mark.parametrize("config", [{}, {"group": 8}, {"chunk": 16}],
+                         ids=["in-registers", "groups", "streamed"])
 def test_kernel_per_row_alpha_bad_rows_and_dims(config):
     x = make_rows("randn", 6, 40, seed=21)
     x[0, 3] = math.nan

@@ -3,7 +3,9 @@
 The iteration is `flashmax.reference_bisect`'s (its docstring argues why it converges for every
 α > 1), run on BLOCK_M whole rows per program: each step is one fused (Σp, Σp/d) reduction over
 the registers, rows stop when converged, and the loop ends when every row of the program is
-done or after n_iter steps: no host synchronisation, so capturable in a CUDA graph.
+done or after n_iter steps: no host synchronisation, so capturable in a CUDA graph. A first
+solve on the rows' group maxima (as sparsemax's kernel and the CPU path do) gives the full
+rows a starting τ from which they need about half the steps; n_iter bounds each solve.
 
 Precision: float32 rows keep z = (α−1)(x − max) and τ in float64, so that d = z − τ is exact to
 float32 precision even for entries just above τ (for α > 2 they get d^k with k < 1, where an
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .sparsemax import (_add_add, _is_bad, _nan_max, _row_offsets, _rows, _strided, _tile_max,
-                        _wide, launch_config, rows_view)
+                        _wide, group_size, launch_config, rows_view)
 from ..reference_bisect import TOLERANCE_ULPS
 
 _TOLERANCE_ULPS = tl.constexpr(TOLERANCE_ULPS)  # jit functions read only constexpr globals
@@ -85,7 +87,8 @@ def _setup(row_max, alpha, n, ZTYPE: tl.constexpr, PTYPE: tl.constexpr):
 @triton.jit
 def _start(tol, lo, bad):
     """The iteration's state before the first step: (τ, f before, τ out, Σp out, done)."""
-    return lo, tl.full(tol.shape, float("inf"), tol.dtype), lo, tl.full(tol.shape, 1.0, tol.dtype), bad
+    f_before = tl.full(tol.shape, float("inf"), tol.dtype)
+    return lo, f_before, lo, tl.full(tol.shape, 1.0, tol.dtype), bad
 
 
 @triton.jit
@@ -116,6 +119,21 @@ def _remaining(done, it, n_iter):
 
 
 @triton.jit
+def _solve(z, k, tol, lo, hi, done, n_iter):
+    """At most n_iter steps from τ = lo on each row of a [BLOCK_M, A, B] tile in registers:
+    (τ last evaluated, Σp there, lo). lo is the largest τ seen with Σp > 1: a lower bound on
+    the root of any superset of each row (more terms, larger Σp)."""
+    tau, f_before, tau_out, sum_out, done = _start(tol, lo, done)
+    it = tl.full([], 0, tl.int32)
+    while _remaining(done, it, n_iter) > 0:
+        total, slope_total = _power_sums(z, tau, k)
+        tau, lo, hi, f_before, tau_out, sum_out, done = _advance(
+            total, slope_total, k, tol, tau, lo, hi, f_before, tau_out, sum_out, done)
+        it += 1
+    return tau_out, sum_out, lo
+
+
+@triton.jit
 def _output_tile(z, tau_out, sum_out, k, bad, ENSURE_SUM_ONE: tl.constexpr):
     p, _ = _powers(z, tau_out, k)
     if ENSURE_SUM_ONE:
@@ -129,29 +147,29 @@ def entmax_bisect_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     a_stride_outer, a_stride_inner,
     y_stride_outer, y_stride_inner, y_stride_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
     ENSURE_SUM_ONE: tl.constexpr,
 ):
-    """BLOCK_M whole rows per program, held in registers: one read, one write."""
+    """BLOCK_M whole rows per program, held in registers as [GROUP, WIDTH] tiles: one read,
+    one write. As on the CPU path, τ is first bounded from below by solving on the maxima of
+    the GROUP chunks (down axis 1, inside each thread), at 1/GROUP of a full step's cost; the
+    steps over the full rows then start from that bound."""
     block = tl.program_id(0)
+    WIDTH: tl.constexpr = BLOCK_N // GROUP
     PTYPE: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     x_off, mask = _row_offsets(block, 0, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                               x_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
+                               x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
     x = tl.load(X + x_off, mask=mask, other=-float("inf")).to(PTYPE)
     alpha = _row_alpha(A, block, n_rows, inner, a_stride_outer, a_stride_inner, BLOCK_M)
     row_max = _tile_max(x)
     bad, am1, k, tol, lo, hi = _setup(row_max, alpha, n, tl.float64, PTYPE)
     z = am1[:, None, None] * (x.to(tl.float64) - row_max.to(tl.float64)[:, None, None])
-    tau, f_before, tau_out, sum_out, done = _start(tol, lo, bad)
-    it = tl.full([], 0, tl.int32)
-    while _remaining(done, it, n_iter) > 0:
-        total, slope_total = _power_sums(z, tau, k)
-        tau, lo, hi, f_before, tau_out, sum_out, done = _advance(
-            total, slope_total, k, tol, tau, lo, hi, f_before, tau_out, sum_out, done)
-        it += 1
+    if GROUP > 1:
+        _, _, lo = _solve(tl.expand_dims(tl.max(z, axis=1), 1), k, tol, lo, hi, bad, n_iter)
+    tau_out, sum_out, _ = _solve(z, k, tol, lo, hi, bad, n_iter)
     y = _output_tile(z, tau_out, sum_out, k, bad, ENSURE_SUM_ONE)
     y_off, _ = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                            y_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
+                            y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
     tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -332,7 +350,7 @@ def _alpha_strides(alpha, dim: int):
 
 
 def entmax_bisect_forward(x, alpha, dim: int, n_iter: int, ensure_sum_one: bool, out=None,
-                          num_warps=None, block_m=None, chunk=None):
+                          num_warps=None, block_m=None, chunk=None, group=None):
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape/dtype).
 
     alpha: x's shape with size 1 along dim (any strides, 0 where broadcast), one α per row.
@@ -351,9 +369,10 @@ def entmax_bisect_forward(x, alpha, dim: int, n_iter: int, ensure_sum_one: bool,
             *args, CHUNK=block_n, WIDE=wide, ENSURE_SUM_ONE=ensure_sum_one, num_warps=num_warps)
         return y
     block_m, block_n, num_warps = _warps(n_rows, n, num_warps, block_m)
+    group = min(group_size(block_n, x.element_size(), num_warps, group), block_n)
     entmax_bisect_forward_kernel[(-(-n_rows // block_m),)](
-        *args, BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, ENSURE_SUM_ONE=ensure_sum_one,
-        num_warps=num_warps)
+        *args, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide,
+        ENSURE_SUM_ONE=ensure_sum_one, num_warps=num_warps)
     return y
 
 
