@@ -132,7 +132,7 @@ def report(records):
               f"{r['forward_us'] / r['copy_us']:>7.2f} {r['forward_backward_us']:>11.1f} "
               f"{graph if graph is None else round(graph, 1)!s:>9} "
               f"{r['relative_error']:>9.2e} {r['max_row_sum_error']:>8.1e}")
-    by_key = {(r["impl"], r["alpha"]): r for r in records if "error" not in r}
+    by_key = {(r["impl"], r["alpha"]): r for r in records if "forward_backward_us" in r}
     for (impl, alpha), r in by_key.items():
         ours = by_key.get(("flashmax", alpha))
         if impl != "flashmax" and ours:
