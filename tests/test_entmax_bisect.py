@@ -46,7 +46,8 @@ def alpha_rows(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def oracle(x: torch.Tensor, alpha, dim: int = -1, ensure_sum_one: bool = True) -> torch.Tensor:
-    """α-entmax in float64 by 200 bisection steps on τ in [−1, 0]; NaN slices per the contract."""
+    """α-entmax in float64 by 100 bisection steps on τ in [−1, 0] (float64 has no number left
+    between the ends after about 60 for |τ| >= 1e-2, 90 for 1e-11); NaN slices per the contract."""
     moved = x.movedim(dim, -1)
     rows = moved.reshape(-1, max(x.shape[dim], 1)).double().cpu()
     a = alpha_rows(alpha, x.cpu(), dim)
@@ -54,7 +55,7 @@ def oracle(x: torch.Tensor, alpha, dim: int = -1, ensure_sum_one: bool = True) -
     bad = ~torch.isfinite(row_max)
     z = (a - 1) * (rows - torch.where(bad, 0.0, row_max))
     lo, hi = -torch.ones_like(a), torch.zeros_like(a)
-    for _ in range(200):
+    for _ in range(100):
         mid = (lo + hi) / 2
         f = (z - mid).clamp_min(0).pow(1 / (a - 1)).sum(-1, keepdim=True) - 1
         lo, hi = torch.where(f > 0, mid, lo), torch.where(f > 0, hi, mid)
@@ -529,7 +530,7 @@ K_WIDTHS = [1, 7, 100, 4096, 40000] if ON_GPU else [1, 7, 100]
 @pytest.mark.parametrize("dist", ["randn", "tiny", "huge", "offset", "near_max", "ties", "masked"])
 def test_kernel_matches_oracle(dist, alpha):
     for n in K_WIDTHS:
-        x = make_rows(dist, K_ROWS, n, seed=n)
+        x = make_rows(dist, K_ROWS if n <= 4096 else 8, n, seed=n)  # the oracle runs on the CPU
         x0 = x.clone()
         y = kernel_forward(x, alpha)
         assert torch.equal(x, x0)
