@@ -391,3 +391,15 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     check_against_oracle(y, x, -1)
+
+
+def test_import_flashmax_as_entmax():
+    """The shared names take the entmax package's arguments, k included (accepted, ignored)."""
+    import flashmax as entmax
+
+    x = make_input((4, 9), -1, torch.float32, seed=21)
+    for fn, module in ((entmax.sparsemax, entmax.Sparsemax), (entmax.entmax15, entmax.Entmax15)):
+        assert_bitwise_equal(fn(x, dim=0, k=3), fn(x, 0), "k changed the result")
+        assert_bitwise_equal(module(dim=0, k=3)(x), fn(x, 0), "module differs")
+    assert entmax.Entmax15Loss(k=100, ignore_index=-100, reduction="sum").reduction == "sum"
+    assert entmax.SparsemaxLoss(k=None).reduction == "elementwise_mean"

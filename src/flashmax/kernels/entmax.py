@@ -21,7 +21,8 @@ import triton.language as tl
 from .sparsemax import (_add_add, _is_bad, _nan_max, _row_offsets, _rows, _strided, _tile_max,
                         _tile_threshold, _wide, group_size, launch_config, max_block_n)
 
-MAX_STEPS = 64  # Newton finds the support in a few steps; the cap guards against rounding cycles
+# Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
+MAX_STEPS = tl.constexpr(64)
 
 
 @triton.jit
