@@ -4,12 +4,15 @@ entmax15(x) = max(z - tau, 0)^2 with z = (x - max(x)) / 2 and tau chosen so that
 to 1; tau lies in [-1, 0) (the max entry alone gives 1 at tau = -1). Every function works on the
 last dimension of a tensor already in its compute dtype (float32 or float64).
 
-tau is the root of the convex, decreasing f(t) = sum(max(z - t, 0)^2) - 1. Newton from a lower
-bound rises monotonically, but f is piecewise quadratic, so Newton alone only converges; it is
-used to find the support, and tau then comes in closed form from the support's sums. The closed
-form of a superset of the support overshoots tau (its extra entries add squares), so it is
-accepted only when every entry of the set it used stays above it. As for sparsemax, the tau of
-any subset of a row is a lower bound on the row's, so the group-maxima bound carries over.
+tau is the root of F(t) = ||max(z - t, 0)||_2 - 1, which is convex (a norm, monotone on the
+non-negative orthant, of convex functions of t) and decreasing. Newton on F from a lower bound
+rises monotonically; on a fixed support F is a hyperbola, nearly straight, so it takes fewer
+steps than Newton on sum(max(z - t, 0)^2) - 1 (about half, from tau = -1), and with one entry
+it is exact. Still, Newton only converges: it is used to find the support, and tau then comes
+in closed form from the support's sums. The closed form of a superset of the support is no
+lower bound (its extra entries add squares), so it is accepted only when every entry of the set
+it used stays above it. As for sparsemax, the tau of any subset of a row is a lower bound on the
+row's, so the group-maxima bound carries over.
 """
 
 import torch
@@ -48,7 +51,9 @@ def entmax15_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor
         count = support.sum(-1)
         smallest = torch.where(support, d, torch.inf).amin(-1)
         closed = quadratic_step(s1, s2, count).to(tau.dtype)
-        newton = ((s2 - 1) / (2 * s1)).to(tau.dtype)
+        # Newton on F: (sqrt(s2) - 1) sqrt(s2) / s1, with sqrt(s2) - 1 without cancellation.
+        root = s2.sqrt()
+        newton = (root * (s2 - 1) / ((root + 1) * s1)).to(tau.dtype)
         # Final: the set's closed form keeps every entry of the set (so it is the support), and
         # it is small (a large one came from d rounded to ~|tau| ulps: refine once more).
         final = (smallest >= closed) & (closed.abs() <= (tau + closed).abs())

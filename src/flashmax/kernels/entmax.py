@@ -2,8 +2,9 @@
 
 The layout, launch heuristics and strided [outer, n, inner] views are sparsemax's (imported from
 `flashmax.kernels.sparsemax`). In z = (x - max) / 2 the threshold tau lies in [-1, 0) and is the
-root of the convex, piecewise-quadratic f(t) = sum(max(z - t, 0)^2) - 1. Newton from a lower
-bound rises monotonically but only converges, so it serves to find the support: each step's
+root of sum(max(z - t, 0)^2) = 1. Newton from a lower bound (on the convex, decreasing
+F(t) = ||max(z - t, 0)||_2 - 1) rises monotonically but only converges, so it serves to find
+the support: each step's
 fused reduction (sum, sum of squares, count, smallest of d = z - tau over d > 0) also gives the
 set's closed-form tau (the smaller root of a quadratic), which is final when every entry of the
 set stays above it. The lower bound is the exact tau of the group maxima, as for sparsemax.
@@ -52,14 +53,16 @@ def _entmax_update(s1, s2, count, smallest, pivot, step, done):
     The set's closed form, the smaller root delta of count d^2 - 2 s1 d + s2 - 1 (written
     without cancellation), is final when every entry of the set stays above it and it is small
     (a large one came from d rounded to ~|tau| ulps: refined once more). Otherwise a Newton
-    step, a lower bound; a Newton step too small to move tau ends the search as well.
+    step on the convex norm form F(t) = sqrt(s2(t)) - 1 (a lower bound; see
+    `reference_entmax.entmax15_threshold`); one too small to move tau ends the search as well.
     """
     tau = pivot + step
     has_support = count > 0
     excess = s2 - 1.0
     disc = s1 * s1 - count * excess
     closed = (excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))).to(pivot.dtype)
-    newton = (excess / (2.0 * s1)).to(pivot.dtype)
+    root = tl.sqrt(s2)
+    newton = (root * excess / ((root + 1.0) * s1)).to(pivot.dtype)
     final = (disc >= 0) & (smallest >= closed) & (tl.abs(closed) <= tl.abs(tau + closed))
     stuck = (tau + newton) == tau
     new_step = tl.where(has_support, tl.where(final, closed, newton), 0.0)
@@ -405,8 +408,8 @@ def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: boo
     n_rows, n = x.shape
     if out is None:
         out = x.new_empty(x.shape if backward else (n_rows,))
-    if x.numel() == 0:
-        return out
+    if x.numel() == 0:  # no classes: every row is ignored, and its loss is 0
+        return out.zero_()
     x, _ = _strided(x, 1)
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     group = group_size(block_n, x.element_size(), num_warps, group)
