@@ -362,6 +362,13 @@ def test_kernel_backward(kernels, chunk, dtype):
     torch.testing.assert_close(dx.cpu().double(), want, rtol=0, atol=tol * float(g.abs().max()))
 
 
+def test_kernel_long_rows(kernels):
+    """A couple of rows of 4096 (the interpreter is slow): in registers and streamed."""
+    x = make_input((2, 4096), -1, torch.float32, seed=22, kind="near_max").to(DEVICE)
+    check_against_oracle(kernel_forward(kernels, x), x, -1)
+    check_against_oracle(kernel_forward(kernels, x, chunk=1024), x, -1)
+
+
 def test_kernel_deterministic(kernels):
     x = make_input((ROWS, 500), -1, torch.float32, seed=16, kind="near_max").to(DEVICE)
     assert torch.equal(kernel_forward(kernels, x), kernel_forward(kernels, x))

@@ -222,3 +222,17 @@ def test_fused_kernel(name, n, dtype):
     assert bool(torch.isnan(dx[5]).all())
     want_dx = want_grad * grad_loss.cpu().double().unsqueeze(-1)
     torch.testing.assert_close(dx.cpu().double()[keep], want_dx[keep], rtol=0, atol=2 * tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the public losses run kernels on CUDA tensors only")
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("n", [1000, 40000])  # the fused kernel, and rows past its registers
+def test_public_loss_on_gpu(name, n):
+    x, target = scores(64, n, seed=n)
+    target[7] = IGNORE
+    x.requires_grad_()
+    loss = LOSSES[name][0](x, target, reduction="sum")
+    want_loss, want_grad = expected(name, x.detach(), target)
+    torch.testing.assert_close(loss.cpu().double(), want_loss.sum(), rtol=1e-6, atol=1e-5)
+    (dx,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(dx.cpu().double(), want_grad, rtol=0, atol=1e-6)

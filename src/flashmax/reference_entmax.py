@@ -45,9 +45,9 @@ def entmax15_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor
         tau = pivot + step
         d = z - tau.unsqueeze(-1)
         support = d > 0
-        positive = d.clamp_min(0).double()
-        s1 = positive.sum(-1)
-        s2 = (positive * positive).sum(-1)
+        positive = d.clamp_min(0)
+        s1 = positive.sum(-1, dtype=torch.float64)
+        s2 = positive.square().sum(-1, dtype=torch.float64)
         count = support.sum(-1)
         smallest = torch.where(support, d, torch.inf).amin(-1)
         closed = quadratic_step(s1, s2, count).to(tau.dtype)
