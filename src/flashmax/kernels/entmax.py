@@ -214,6 +214,22 @@ def _backward_tile(y, g, q):
 
 
 @triton.jit
+def _load_y_g(Yp, G, block, start, n_rows, n, inner,
+              y_stride_outer, y_stride_inner, y_stride_n,
+              g_stride_outer, g_stride_inner, g_stride_n,
+              BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr):
+    """Entries start ... start + WIDTH of BLOCK_M rows of y and g, in the compute dtype."""
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    y_off, mask = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+    g_off, _ = _row_offsets(block, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
+                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    return y, g, mask
+
+
+@triton.jit
 def entmax15_backward_kernel(
     Yp, G, DX, n_rows, n, inner,
     y_stride_outer, y_stride_inner, y_stride_n,
@@ -223,13 +239,9 @@ def entmax15_backward_kernel(
 ):
     """dx = s g - (sum(s g) / sum(s)) s, s = sqrt(y): BLOCK_M whole rows per program."""
     block = tl.program_id(0)
-    y_off, mask = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                               y_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
-    g_off, _ = _row_offsets(block, 0, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                            g_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
-    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
-    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    y, g, mask = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
+                           y_stride_outer, y_stride_inner, y_stride_n,
+                           g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
     total, norm = _weighted_sums(y, g)
     dx = _backward_tile(y, g, total / norm)
     dx_off, _ = _row_offsets(block, 0, n_rows, n, inner, dx_stride_outer, dx_stride_inner,
@@ -252,20 +264,14 @@ def entmax15_backward_streamed_kernel(
     total = tl.zeros([1], compute)
     norm = tl.zeros([1], compute)
     for start in range(0, n, CHUNK):
-        y_off, mask = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                   y_stride_n, 1, 1, CHUNK, WIDE)
-        g_off, _ = _row_offsets(row, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                                g_stride_n, 1, 1, CHUNK, WIDE)
-        y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+        y, g, _ = _load_y_g(Yp, G, row, start, n_rows, n, inner,
+                            y_stride_outer, y_stride_inner, y_stride_n,
+                            g_stride_outer, g_stride_inner, g_stride_n, 1, CHUNK, WIDE)
         total, norm = _add_add(total, norm, *_weighted_sums(y, g))
     for start in range(0, n, CHUNK):
-        y_off, mask = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                   y_stride_n, 1, 1, CHUNK, WIDE)
-        g_off, _ = _row_offsets(row, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                                g_stride_n, 1, 1, CHUNK, WIDE)
-        y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+        y, g, mask = _load_y_g(Yp, G, row, start, n_rows, n, inner,
+                               y_stride_outer, y_stride_inner, y_stride_n,
+                               g_stride_outer, g_stride_inner, g_stride_n, 1, CHUNK, WIDE)
         dx = _backward_tile(y, g, total / norm)
         dx_off, _ = _row_offsets(row, start, n_rows, n, inner, dx_stride_outer,
                                  dx_stride_inner, dx_stride_n, 1, 1, CHUNK, WIDE)
