@@ -375,6 +375,16 @@ def test_kernel_long_rows(kernels):
     check_against_oracle(kernel_forward(kernels, x, chunk=1024), x, -1)
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 4), n=st.integers(1, 70), seed=st.integers(0, 2**31 - 1),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]), mask_p=st.sampled_from([0.0, 0.4]),
+       kind=st.sampled_from(["randn", "ties", "near_max", "spike"]), chunk=st.sampled_from([None, 16]))
+def test_kernel_property(kernels, rows, n, seed, scale, mask_p, kind, chunk):
+    x = make_input((rows, n), -1, torch.float32, seed, kind, scale, mask_p=mask_p).to(DEVICE)
+    check_against_oracle(kernel_forward(kernels, x, chunk=chunk), x, -1)
+
+
 def test_kernel_deterministic(kernels):
     x = make_input((ROWS, 500), -1, torch.float32, seed=16, kind="near_max").to(DEVICE)
     assert torch.equal(kernel_forward(kernels, x), kernel_forward(kernels, x))
