@@ -279,11 +279,6 @@ def entmax15_backward_streamed_kernel(
 
 
 @triton.jit
-def _add3(a0, b0, c0, a1, b1, c1):
-    return a0 + a1, b0 + b1, c0 + c1
-
-
-@triton.jit
 def loss_kernel(
     X, T, GL, OUT, n_rows, n, x_stride_row, x_stride_n, ignore_index,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
@@ -307,8 +302,9 @@ def loss_kernel(
     bad = _is_bad(row_max)
     z = x - row_max[:, None, None]
     if ENTMAX15:
-        pivot, step = _entmax_tile_threshold(z * 0.5, GROUP, True)
-        t = tl.maximum((z * 0.5 - pivot[:, None, None]) - step[:, None, None], 0.0)
+        z = z * 0.5  # entmax-1.5's coordinates; one tile live, not two
+        pivot, step = _entmax_tile_threshold(z, GROUP, True)
+        t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
         p = t * t
     else:
         pivot, step = _tile_threshold(z, GROUP, True)
@@ -326,20 +322,18 @@ def loss_kernel(
         out_off, _ = _row_offsets(block, 0, n_rows, n, 1, n, 0, 1, BLOCK_M, GROUP, WIDTH, WIDE)
         tl.store(OUT + out_off, dx.to(OUT.dtype.element_ty), mask=mask)
     else:
+        # With omega(p) = (1 - sum(p w)) / c, the loss is (sum(p (c x' - w)) - c x'[target] + 1) / c
+        # for x' = x - max: one reduction of one tile, constants exact in any dtype. entmax-1.5:
+        # c = 0.75, w = t, and c x' = 1.5 z; sparsemax: c = 2, w = p, c x' = 2 z. -inf entries
+        # have p = 0 and take no part (0 * -inf would be NaN); a target at -inf gives +inf.
         if ENTMAX15:
-            omega_terms = p * t
+            a, c = 1.5, 0.75
+            terms = tl.where(p > 0, p * (a * z - t), 0.0)
         else:
-            omega_terms = p * p
-        # -inf entries have p = 0 and take no part (0 * -inf would be NaN).
-        pz = tl.where(p > 0, p * z, 0.0)
-        z_target = tl.where(is_target, z, 0.0)
-        sums = tl.reduce(tl.reduce((pz, omega_terms, z_target), 2, _add3), 1, _add3)
-        pz, omega_sum, z_target = sums
-        if ENTMAX15:
-            omega = (1.0 - omega_sum) / 0.75
-        else:
-            omega = (1.0 - omega_sum) * 0.5
-        loss = pz - z_target + omega
+            a, c = 2.0, 2.0
+            terms = tl.where(p > 0, p * (a * z - p), 0.0)
+        terms -= tl.where(is_target, a * z, 0.0)
+        loss = (tl.sum(tl.sum(terms, axis=2), axis=1) + 1.0) / c
         loss = tl.where(bad, float("nan"), loss)
         loss = tl.where(ignored, 0.0, loss)
         tl.store(OUT + rows, loss.to(OUT.dtype.element_ty), mask=rows < n_rows)
