@@ -160,6 +160,8 @@ def test_errors(name):
         fn(x, target.float())
     with pytest.raises(TypeError, match="dtype"):
         fn(x.long(), target)
+    with pytest.raises(ValueError, match="0-d"):
+        fn(x[0, 0], target[0])
 
 
 @pytest.mark.parametrize("name", LOSSES)

@@ -148,7 +148,9 @@ def _loss(x, target, ignore_index, reduction, use_entmax15, name):
     if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int32, torch.int64):
         got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
         raise TypeError(f"{name}: target must be an int64 or int32 tensor, got {got}")
-    if x.dim() < 1 or tuple(target.shape) != tuple(x.shape[:-1]):
+    if x.dim() < 1:
+        raise ValueError(f"{name}: scores need a classes (last) dimension, got a 0-d tensor")
+    if tuple(target.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{name}: target shape {tuple(target.shape)} must be the scores' shape "
                          f"without the classes (last) dimension, {tuple(x.shape[:-1])}")
     rows = target.reshape(-1).to(torch.int64)
