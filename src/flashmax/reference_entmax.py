@@ -39,16 +39,17 @@ def entmax15_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor
     bound), step the closed-form remainder, so (z - pivot) - step rounds each output nearly
     relative to itself. The sums are taken of d = z - pivot (small terms) in float64.
     """
-    pivot, step = tau, torch.zeros_like(tau)
-    done = torch.zeros_like(tau, dtype=torch.bool)
+    pivot, step = tau.clone(), torch.zeros_like(tau)
+    # Only the rows still searching are stepped: most rows finish in a step or two.
+    active = torch.arange(z.shape[0], device=z.device)
     for _ in range(MAX_STEPS):
-        tau = pivot + step
+        tau = pivot[active] + step[active]
         d = z - tau.unsqueeze(-1)
         support = d > 0
         positive = d.clamp_min(0)
         s1 = positive.sum(-1, dtype=torch.float64)
         s2 = positive.square().sum(-1, dtype=torch.float64)
-        count = support.sum(-1)
+        count = support.sum(-1, dtype=torch.int32)
         smallest = torch.where(support, d, torch.inf).amin(-1)
         closed = quadratic_step(s1, s2, count).to(tau.dtype)
         # Newton on F: (sqrt(s2) - 1) sqrt(s2) / s1, with sqrt(s2) - 1 without cancellation.
@@ -59,12 +60,12 @@ def entmax15_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor
         final = (smallest >= closed) & (closed.abs() <= (tau + closed).abs())
         stuck = (tau + newton) == tau  # Newton converged without passing an entry at tau
         # No entry above tau (a NaN row): keep tau, and the row is done.
-        new_step = torch.where(final, closed, newton).masked_fill_(count == 0, 0)
-        pivot = torch.where(done, pivot, tau)
-        step = torch.where(done, step, new_step)
-        done = done | final | stuck | (count == 0)
-        if bool(done.all()):
+        pivot[active] = tau
+        step[active] = torch.where(final, closed, newton).masked_fill_(count == 0, 0)
+        searching = ~(final | stuck | (count == 0))
+        if not bool(searching.any()):
             break
+        active, z = active[searching], z[searching]
     return pivot, step
 
 
