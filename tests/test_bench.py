@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from flashmax.bench import cli, peers, report
+import flashmax
+from flashmax.bench import cli, peers, report, runner
 from flashmax.bench.runner import Record, Settings
 from flashmax.bench.workloads import (CPU_SWEEP_MAX_FEATURES, CPU_SWEEP_MIN_BYTES, DISTRIBUTIONS, DTYPES,
                                       GPU_SWEEP_MIN_BYTES, SWEEP_FEATURES, SWEEP_QUICK_FEATURES, Workload,
@@ -159,3 +160,26 @@ def test_sweep_runs_end_to_end(tmp_path):
     assert (tmp_path / "bench-sweep.png").read_bytes().startswith(b"\x89PNG")
     assert not (tmp_path / "bench-forward.png").exists()
     assert f"| 8 | {sweep_tokens(8, 'bf16', 4096)} |" in (tmp_path / "bench.md").read_text()
+
+
+def test_entmax15_op_runs_its_peers_against_its_oracle(tmp_path):
+    data = run(tmp_path, "--op", "entmax15", "--modes", "forward", "backward")
+    records = data["records"]
+    assert {record["op"] for record in records} == {"entmax15"}
+    runnable = [impl.name for impl in peers.discover(torch.device("cpu"), op="entmax15") if impl.available]
+    assert {"flashmax", "torch-sort"} <= set(runnable) and "liger" not in runnable
+    assert len(records) == 2 * 2 * len(runnable)  # features x modes x impls
+    for record in records:
+        assert record["error"] is None, record
+        if record["impl"] in ("flashmax", "torch-sort", "entmax"):
+            assert record["inexact"] is False, record
+    assert (tmp_path / "bench.md").read_text().startswith("# flashmax bench: entmax15")
+
+
+def test_entmax15_oracle_is_not_sparsemax():
+    """Each op's records are checked against its own oracle: sparsemax is inexact as entmax15."""
+    workload = Workload(tokens=4, features=16, dtype="fp32", dist="randn")
+    x = workload.input(torch.device("cpu"))
+    oracle = runner.Oracle(workload, torch.device("cpu"), "entmax15")
+    assert oracle.error("forward", flashmax.entmax15(x)) < 1e-6
+    assert oracle.error("forward", flashmax.sparsemax(x)) > 1e-2

@@ -124,11 +124,12 @@ class _EagerSparsemax(torch.autograd.Function):
         return kernels.sparsemax_backward(y, grad, ctx.dim), None
 
 
-def sparsemax(x: torch.Tensor, dim: int = -1, *, group=None) -> torch.Tensor:
+def sparsemax(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Tensor:
     """Sparsemax of x along dim: the Euclidean projection of each slice onto the simplex.
 
     y = max(x - tau, 0) with tau chosen so that each slice sums to 1. Same signature as
-    `entmax.sparsemax(X, dim=-1)`. See the README for the full contract (dtypes, -inf, NaN).
+    `entmax.sparsemax(X, dim=-1, k=None)`; k (the entmax package's partial-sort size) is
+    accepted and ignored. See the README for the full contract (dtypes, -inf, NaN).
     With a torch.distributed `group`, x is this rank's contiguous slice of the features along
     dim and the result its slice of the whole rows' sparsemax (`flashmax.distributed`).
     """
@@ -145,11 +146,12 @@ def sparsemax(x: torch.Tensor, dim: int = -1, *, group=None) -> torch.Tensor:
 
 
 class Sparsemax(nn.Module):
-    """Module form of `flashmax.sparsemax`."""
+    """Module form of `flashmax.sparsemax` (as `entmax.Sparsemax(dim=-1, k=None)`)."""
 
-    def __init__(self, dim: int = -1):
+    def __init__(self, dim: int = -1, k=None):
         super().__init__()
         self.dim = dim
+        self.k = k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sparsemax(x, self.dim)

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from . import files, report
-from .peers import NAMES
+from .peers import NAMES, OPS
 from .runner import Settings, format_bytes, run_bench
 from .timing import Budget
 from .workloads import (CPU_FEATURES, CPU_SWEEP_MAX_FEATURES, CPU_SWEEP_MIN_BYTES, CPU_TOKENS, DISTRIBUTIONS, DTYPES,
@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="time sparsemax implementations against a memory-copy floor",
         description="Time sparsemax implementations side by side, each against the floor of a clone "
                     "moving the same bytes; writes bench.json, bench.md and plots to --out.")
+    bench.add_argument("--op", choices=OPS, default="sparsemax",
+                       help="the normaliser timed: sparsemax (default) or entmax15 (its peers: the "
+                            "entmax package's entmax15 and entmax_bisect(alpha=1.5), AdaSplash's "
+                            "triton_entmax15, the sort baseline)")
     bench.add_argument("--dtype", dest="dtypes", nargs="+", choices=list(DTYPES), metavar="DTYPE",
                        help=f"input dtypes: {', '.join(DTYPES)} (default: fp32; fp32 bf16 with --sweep)")
     bench.add_argument("--features", nargs="+", type=positive_int,
@@ -100,6 +104,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         requested_impls=args.impls or (["flashmax"] if args.sweep else None),
         budget=QUICK_BUDGET if args.quick else FULL_BUDGET,
         sweep_min_bytes=min_bytes,
+        op=args.op,
     )
 
 

@@ -1,4 +1,5 @@
-"""The implementations compared: flashmax, the PyTorch sort baseline and published peers.
+"""The implementations compared: flashmax, the PyTorch sort baseline and published peers, for
+each op (sparsemax, entmax15).
 
 Every one is optional: a missing package or a missing GPU makes an `Impl` with a reason, never an
 error. Each runnable one is a function (x, dim) -> y that supports autograd.
@@ -14,6 +15,7 @@ import torch
 
 import flashmax
 from flashmax.reference import sparsemax_sort
+from flashmax.reference_entmax import entmax15_sort
 
 SparsemaxFn = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -62,14 +64,45 @@ def _load_liger() -> SparsemaxFn:
     return lambda x, dim: module_for(dim)(x)
 
 
+def _last_dim(fn: Callable[[torch.Tensor], torch.Tensor]) -> SparsemaxFn:
+    """fn works on the last dim of a contiguous tensor (a no-op for ours)."""
+    return lambda x, dim: fn(x.movedim(dim, -1).contiguous()).movedim(-1, dim)
+
+
 def _load_adasplash() -> SparsemaxFn:
     from adasplash import triton_sparsemax
 
-    def adasplash_sparsemax(x: torch.Tensor, dim: int) -> torch.Tensor:
-        # triton_sparsemax works on the last dim of a contiguous tensor (a no-op for ours).
-        return triton_sparsemax(x.movedim(dim, -1).contiguous()).movedim(-1, dim)
+    return _last_dim(triton_sparsemax)
 
-    return adasplash_sparsemax
+
+def _load_flashmax_entmax15() -> SparsemaxFn:
+    return flashmax.entmax15
+
+
+def _load_torch_sort_entmax15() -> SparsemaxFn:
+    return entmax15_sort
+
+
+def _load_torch_sort_compiled_entmax15() -> SparsemaxFn:
+    return torch.compile(entmax15_sort)
+
+
+def _load_entmax_entmax15() -> SparsemaxFn:
+    from entmax import entmax15
+
+    return lambda x, dim: entmax15(x, dim=dim)
+
+
+def _load_entmax_bisect_entmax15() -> SparsemaxFn:
+    from entmax import entmax_bisect
+
+    return lambda x, dim: entmax_bisect(x, alpha=1.5, dim=dim)
+
+
+def _load_adasplash_entmax15() -> SparsemaxFn:
+    from adasplash import triton_entmax15
+
+    return _last_dim(triton_entmax15)
 
 
 @dataclass(frozen=True)
@@ -91,7 +124,16 @@ PEERS = (
     Peer("liger", "liger-kernel", _load_liger, min_version="0.5.10", needs_gpu=True),
     Peer("adasplash", "adasplash", _load_adasplash, min_version="0.2", needs_gpu=True),
 )
-NAMES = tuple(peer.name for peer in PEERS)
+ENTMAX15_PEERS = (
+    Peer("flashmax", "flashmax", _load_flashmax_entmax15),
+    Peer("torch-sort", "torch", _load_torch_sort_entmax15),
+    Peer("torch-sort-compiled", "torch", _load_torch_sort_compiled_entmax15, slow_on_cpu=True),
+    Peer("entmax", "entmax", _load_entmax_entmax15),
+    Peer("entmax-bisect", "entmax", _load_entmax_bisect_entmax15),
+    Peer("adasplash", "adasplash", _load_adasplash_entmax15, min_version="0.2", needs_gpu=True),
+)
+OPS = ("sparsemax", "entmax15")
+NAMES = tuple(dict.fromkeys(peer.name for peer in PEERS + ENTMAX15_PEERS))
 
 
 def package_version(package: str) -> str | None:
@@ -108,11 +150,12 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
-def discover(device: torch.device, requested: Sequence[str] | None = None) -> list[Impl]:
-    """The implementations to show, in leaderboard order: all of them, or those requested."""
+def discover(device: torch.device, requested: Sequence[str] | None = None,
+             op: str = "sparsemax") -> list[Impl]:
+    """The implementations of op to show, in leaderboard order: all of them, or those requested."""
     return [
         _resolve(peer, device, asked=requested is not None)
-        for peer in PEERS
+        for peer in (PEERS if op == "sparsemax" else ENTMAX15_PEERS)
         if requested is None or peer.name in requested
     ]
 

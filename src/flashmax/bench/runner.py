@@ -12,6 +12,7 @@ import torch
 
 import flashmax
 from flashmax.reference import sparsemax_sort
+from flashmax.reference_entmax import entmax15_sort
 
 from . import peers
 from .report import progress
@@ -43,6 +44,7 @@ class Settings:
     requested_impls: Sequence[str] | None  # None: every implementation
     budget: Budget
     sweep_min_bytes: int | None = None  # a sweep: rows per workload for input tensors of at least this
+    op: str = "sparsemax"  # one of peers.OPS
 
     @property
     def sweep(self) -> bool:
@@ -79,6 +81,7 @@ class Record:
     dtype: str
     mode: str
     dist: str
+    op: str
     median_us: float | None
     p20_us: float | None
     p80_us: float | None
@@ -119,7 +122,7 @@ class Measurement:
 
 
 def run_bench(settings: Settings) -> Result:
-    impls = peers.discover(settings.device, settings.requested_impls)
+    impls = peers.discover(settings.device, settings.requested_impls, settings.op)
     runnable = [impl for impl in impls if impl.available]
     workloads = settings.workloads()
     environment = describe_environment(settings.device)
@@ -135,7 +138,7 @@ def run_bench(settings: Settings) -> Result:
             if settings.device.type == "cuda":
                 clone_graph = measure_graph_replay(clone, settings.device, settings.budget)[0]
                 clone_graph_us = clone_graph.median_us if clone_graph else None
-            oracle = Oracle(workload, settings.device)
+            oracle = Oracle(workload, settings.device, settings.op)
             for impl in runnable:
                 for mode in settings.modes:
                     advance(f"{workload.dtype} × {workload.features}: {impl.name} {mode}")
@@ -190,15 +193,15 @@ def relative_error(output: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor)
 
 
 class Oracle:
-    """Float64 sparsemax by sort + cumsum on the workload's input, on the same device, and its
-    gradient dx = s * (g - mean of g over the support s)."""
+    """Float64 sparsemax or entmax-1.5 by sorting the workload's input, on the same device, and
+    its gradient: dx = s * g - (sum(s * g) / sum(s)) * s with s = (y > 0) for sparsemax (g minus
+    its mean over the support) and s = sqrt(y) for entmax-1.5."""
 
-    def __init__(self, workload: Workload, device: torch.device):
+    def __init__(self, workload: Workload, device: torch.device, op: str = "sparsemax"):
         x, g = workload.input(device).double(), workload.grad(device).double()
-        self.y = sparsemax_sort(x, -1)
-        support = self.y > 0
-        mean = torch.where(support, g, 0).sum(-1, keepdim=True) / support.sum(-1, keepdim=True)
-        self.dx = torch.where(support, g - mean, 0)
+        self.y = (sparsemax_sort if op == "sparsemax" else entmax15_sort)(x, -1)
+        s = (self.y > 0).double() if op == "sparsemax" else self.y.sqrt()
+        self.dx = s * g - (s * g).sum(-1, keepdim=True) / s.sum(-1, keepdim=True) * s
         # dx is all zeros when every support is one entry (randn10, wide rows): measure against g.
         self.g_norm = g.norm()
 
@@ -229,6 +232,7 @@ def to_record(impl: peers.Impl, workload: Workload, mode: str, clone_us: tuple[f
         dtype=workload.dtype,
         mode=mode,
         dist=workload.dist,
+        op=settings.op,
         median_us=median_us,
         p20_us=measured.timing.p20_us if measured.timing else None,
         p80_us=measured.timing.p80_us if measured.timing else None,

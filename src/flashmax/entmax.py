@@ -1,0 +1,139 @@
+"""entmax-1.5 as PyTorch custom ops: validation, device dispatch, autograd, public API.
+
+The same structure as `flashmax.sparsemax`: CUDA tensors run the Triton kernels in
+`flashmax.kernels.entmax`, every other tensor the exact pure-torch `flashmax.reference_entmax`;
+eager CUDA calls skip the dispatcher through `_EagerEntmax15`, torch.compile sees the custom op.
+"""
+
+import torch
+from torch import nn
+
+from . import reference_entmax as reference
+from .sparsemax import check_input, compute_dtype
+
+try:
+    from .kernels import entmax as kernels
+except ImportError:  # Triton is optional: the reference path covers every device.
+    kernels = None
+
+
+def uses_kernels(x: torch.Tensor) -> bool:
+    return kernels is not None and x.is_cuda
+
+
+def on_rows(fn, dim: int, *tensors: torch.Tensor) -> torch.Tensor:
+    """fn over the last dim of the tensors moved there (views) in their compute dtype; the
+    result back in the first tensor's dtype and layout, contiguous."""
+    first = tensors[0]
+    if not first.numel():
+        return first.new_empty(first.shape)
+    ctype = compute_dtype(first.dtype)
+    result = fn(*(t.movedim(dim, -1).to(ctype) for t in tensors))
+    return result.to(first.dtype).movedim(-1, dim).contiguous()
+
+
+@torch.library.custom_op("flashmax::entmax15", mutates_args=())
+def _entmax15_op(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if uses_kernels(x):
+        return kernels.entmax15_forward(x, dim)
+    return on_rows(reference.entmax15_forward, dim, x)
+
+
+@_entmax15_op.register_fake
+def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("flashmax::entmax15_backward", mutates_args=())
+def _entmax15_backward_op(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+    if uses_kernels(y):
+        return kernels.entmax15_backward(y, grad, dim)
+    return on_rows(reference.entmax15_backward, dim, y, grad)
+
+
+@_entmax15_backward_op.register_fake
+def _(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+    return y.new_empty(y.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.dim = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return _entmax15_backward_op(y, grad, ctx.dim), None
+
+
+_entmax15_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _setup_backward_context(ctx, inputs, output):
+    ctx.dim = inputs[2]
+    ctx.save_for_backward(inputs[0], inputs[1])
+
+
+def _double_backward(ctx, grad_dx):
+    """dx = s g - q s with s = sqrt(y), q = sum(s g) / sum(s). dx is linear in g through the
+    symmetric J = diag(s) - s s^T / sum(s), so the gradient for g is the same op applied to
+    grad_dx; for y (on the support, where ds/dy = 1 / (2 s)) it is (g - q)(h - r) / (2 s) with
+    h = grad_dx and r = sum(s h) / sum(s)."""
+    y, grad = ctx.saved_tensors
+    dim = ctx.dim
+    support = y > 0
+    s = torch.where(support, y, 1).sqrt()  # 1 off the support keeps every branch finite
+    s_sum = torch.where(support, s, 0).sum(dim, keepdim=True)
+    q = torch.where(support, s * grad, 0).sum(dim, keepdim=True) / s_sum
+    r = torch.where(support, s * grad_dx, 0).sum(dim, keepdim=True) / s_sum
+    grad_y = torch.where(support, (grad - q) * (grad_dx - r) / (2 * s), 0)
+    return grad_y, _entmax15_backward_op(y, grad_dx, dim), None
+
+
+_entmax15_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
+
+
+class _EagerEntmax15(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        y = kernels.entmax15_forward(x, dim)
+        ctx.save_for_backward(y)
+        ctx.dim = dim
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the op keeps the gradient differentiable
+            return _entmax15_backward_op(y, grad, ctx.dim), None
+        return kernels.entmax15_backward(y, grad, ctx.dim), None
+
+
+def entmax15(x: torch.Tensor, dim: int = -1, k=None) -> torch.Tensor:
+    """entmax-1.5 of x along dim (Peters et al., 2019): y = max((x - max x) / 2 - tau, 0)^2 with
+    tau chosen so that each slice sums to 1. Exact, without sorting.
+
+    Same signature as `entmax.entmax15(X, dim=-1, k=None)`; k (the entmax package's partial-sort
+    size) is accepted and ignored. The contract (dtypes, -inf, NaN) is sparsemax's.
+    """
+    dim = check_input(x, dim, "entmax15")
+    if x.dim() == 0:
+        return _entmax15_op(x.reshape(1), 0).reshape(())
+    if uses_kernels(x) and not torch.compiler.is_compiling():
+        return _EagerEntmax15.apply(x, dim)
+    return _entmax15_op(x, dim)
+
+
+class Entmax15(nn.Module):
+    """Module form of `flashmax.entmax15` (as `entmax.Entmax15(dim=-1, k=None)`)."""
+
+    def __init__(self, dim: int = -1, k=None):
+        super().__init__()
+        self.dim = dim
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return entmax15(x, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"

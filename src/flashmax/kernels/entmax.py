@@ -1,0 +1,429 @@
+"""Triton entmax-1.5: one read and one write per element, exact, sort-free.
+
+The layout, launch heuristics and strided [outer, n, inner] views are sparsemax's (imported from
+`flashmax.kernels.sparsemax`). In z = (x - max) / 2 the threshold tau lies in [-1, 0) and is the
+root of sum(max(z - t, 0)^2) = 1. Newton from a lower bound (on the convex, decreasing
+F(t) = ||max(z - t, 0)||_2 - 1) rises monotonically but only converges, so it serves to find
+the support: each step's
+fused reduction (sum, sum of squares, count, smallest of d = z - tau over d > 0) also gives the
+set's closed-form tau (the smaller root of a quadratic), which is final when every entry of the
+set stays above it. The lower bound is the exact tau of the group maxima, as for sparsemax.
+
+The same threshold also drives the fused losses (`loss_kernel`): the forward reads x once and
+writes one loss per row; the backward reads x again and writes p - onehot(target), recomputing
+the threshold in registers rather than storing p (the same memory traffic as storing tau, and
+no state to keep).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .sparsemax import (_add_add, _group_max, _is_bad, _nan_max, _row_max, _row_offsets, _rows,
+                        _strided, _tile_threshold, _wide, group_size, launch_config, max_block_n)
+
+# Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
+MAX_STEPS = tl.constexpr(64)
+
+
+@triton.jit
+def _add4_min(s1_a, s2_a, count_a, min_a, s1_b, s2_b, count_b, min_b):
+    return s1_a + s1_b, s2_a + s2_b, count_a + count_b, tl.minimum(min_a, min_b)
+
+
+@triton.jit
+def _entmax_sums(z, tau, WIDE_SUM: tl.constexpr):
+    """Over a [BLOCK_M, A, B] tile, for d = z - tau: (sum of d > 0, sum of their squares, their
+    count, their smallest) per row. The sums of small terms d, in fp64 with WIDE_SUM: the step
+    divides by sum of squares - 1, with the sum close to 1."""
+    d = z - tau[:, None, None]
+    support = d > 0
+    positive = tl.maximum(d, 0.0)
+    if WIDE_SUM:
+        positive = positive.to(tl.float64)
+    sums = tl.reduce((positive, positive * positive, support.to(z.dtype),
+                      tl.where(support, d, float("inf"))), 2, _add4_min)
+    return tl.reduce(sums, 1, _add4_min)
+
+
+@triton.jit
+def _entmax_update(s1, s2, count, smallest, pivot, step, done):
+    """Advance (pivot, step, done) from the sums at tau = pivot + step.
+
+    The set's closed form, the smaller root delta of count d^2 - 2 s1 d + s2 - 1 (written
+    without cancellation), is final when every entry of the set stays above it and it is small
+    (a large one came from d rounded to ~|tau| ulps: refined once more). Otherwise a Newton
+    step on the convex norm form F(t) = sqrt(s2(t)) - 1 (a lower bound; see
+    `reference_entmax.entmax15_threshold`); one too small to move tau ends the search as well.
+    """
+    tau = pivot + step
+    has_support = count > 0
+    excess = s2 - 1.0
+    disc = s1 * s1 - count * excess
+    closed = (excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))).to(pivot.dtype)
+    root = tl.sqrt(s2)
+    newton = (root * excess / ((root + 1.0) * s1)).to(pivot.dtype)
+    final = (disc >= 0) & (smallest >= closed) & (tl.abs(closed) <= tl.abs(tau + closed))
+    stuck = (tau + newton) == tau
+    new_step = tl.where(has_support, tl.where(final, closed, newton), 0.0)
+    pivot = tl.where(done, pivot, tau)
+    step = tl.where(done, step, new_step)
+    done = done | final | stuck | ~has_support
+    return pivot, step, done
+
+
+@triton.jit
+def _pending(done, steps):
+    return tl.where(steps < MAX_STEPS, tl.sum((~done).to(tl.int32), axis=0), 0)
+
+
+@triton.jit
+def _entmax_threshold(z, tau, WIDE_SUM: tl.constexpr):
+    """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
+    allowed) from lower bounds tau [BLOCK_M]."""
+    pivot = tau
+    step = tl.zeros_like(tau)
+    done = tau != tau
+    steps = 0
+    pending = _pending(done, steps)
+    while pending > 0:
+        s1, s2, count, smallest = _entmax_sums(z, pivot + step, WIDE_SUM)
+        pivot, step, done = _entmax_update(s1, s2, count, smallest, pivot, step, done)
+        steps += 1
+        pending = _pending(done, steps)
+    return pivot, step
+
+
+@triton.jit
+def _entmax_tile_threshold(z, GROUP: tl.constexpr, WIDE_SUM: tl.constexpr):
+    """Exact threshold of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0, starting from
+    the exact tau of its group maxima (down axis 1, inside each thread)."""
+    tau = tl.full([z.shape[0]], -1.0, z.dtype)
+    if GROUP > 1:
+        pivot, step = _entmax_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau, False)
+        tau = pivot + step
+    return _entmax_threshold(z, tau, WIDE_SUM)
+
+
+@triton.jit
+def _tile_max(x):
+    """The max of each row of a [BLOCK_M, GROUP, WIDTH] tile, NaN-propagating."""
+    return _row_max(_group_max(x))
+
+
+@triton.jit
+def _entmax_tile(z, pivot, step, bad):
+    t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
+    return tl.where(bad[:, None, None], float("nan"), t * t)
+
+
+@triton.jit
+def _load_z(X, off, mask, row_max):
+    """z = (x - max) / 2 of a tile, in the compute dtype (-inf padding)."""
+    compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
+    return (x - row_max[:, None, None]) * 0.5
+
+
+@triton.jit
+def entmax15_forward_kernel(
+    X, Y, n_rows, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
+):
+    """BLOCK_M whole rows per program, held in registers: one read, one write."""
+    block = tl.program_id(0)
+    WIDTH: tl.constexpr = BLOCK_N // GROUP
+    x_off, mask = _row_offsets(block, 0, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                               x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+    x = tl.load(X + x_off, mask=mask, other=-float("inf"))
+    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
+    row_max = _tile_max(x)
+    z = (x - row_max[:, None, None]) * 0.5
+    pivot, step = _entmax_tile_threshold(z, GROUP, WIDE_SUM)
+    y = _entmax_tile(z, pivot, step, _is_bad(row_max))
+    y_off, _ = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                            y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def entmax15_forward_streamed_kernel(
+    X, Y, n_rows, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
+):
+    """One row per program, streamed CHUNK entries at a time: a pass for the max, a pass for
+    the best chunk's exact tau (a lower bound on the row's), a pass per step, a pass that
+    writes."""
+    row = tl.program_id(0)
+    WIDTH: tl.constexpr = CHUNK // GROUP
+    compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    row_max = tl.full([1], -float("inf"), compute)
+    for start in range(0, n, CHUNK):
+        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
+        x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
+        row_max = _nan_max(row_max, _tile_max(x))
+    bad = _is_bad(row_max)
+
+    tau = tl.full([1], -1.0, compute)
+    for start in range(0, n, CHUNK):
+        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
+        pivot, step = _entmax_tile_threshold(_load_z(X, off, mask, row_max), GROUP, False)
+        tau = tl.maximum(tau, pivot + step)
+
+    pivot = tau
+    step = tl.zeros_like(tau)
+    done = bad
+    steps = 0
+    pending = _pending(done, steps)
+    while pending > 0:
+        s1 = tl.zeros([1], tl.float64 if WIDE_SUM else compute)
+        s2 = tl.zeros([1], tl.float64 if WIDE_SUM else compute)
+        count = tl.zeros([1], compute)
+        smallest = tl.full([1], float("inf"), compute)
+        for start in range(0, n, CHUNK):
+            off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer,
+                                     x_stride_inner, x_stride_n, 1, GROUP, WIDTH, WIDE)
+            chunk = _entmax_sums(_load_z(X, off, mask, row_max), pivot + step, WIDE_SUM)
+            s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *chunk)
+        pivot, step, done = _entmax_update(s1, s2, count, smallest, pivot, step, done)
+        steps += 1
+        pending = _pending(done, steps)
+
+    for start in range(0, n, CHUNK):
+        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
+        y = _entmax_tile(_load_z(X, off, mask, row_max), pivot, step, bad)
+        y_off, _ = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                                y_stride_n, 1, GROUP, WIDTH, WIDE)
+        tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weighted_sums(y, g):
+    """(sum of s g, sum of s) with s = sqrt(y), per row of a [BLOCK_M, 1, B] tile."""
+    s = tl.sqrt(y)
+    total, norm = tl.reduce((s * g, s), 2, _add_add)
+    return tl.reshape(total, [total.shape[0]]), tl.reshape(norm, [norm.shape[0]])
+
+
+@triton.jit
+def _backward_tile(y, g, q):
+    s = tl.sqrt(y)
+    return s * g - q[:, None, None] * s
+
+
+@triton.jit
+def _load_y_g(Yp, G, block, start, n_rows, n, inner,
+              y_stride_outer, y_stride_inner, y_stride_n,
+              g_stride_outer, g_stride_inner, g_stride_n,
+              BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr):
+    """Entries start ... start + WIDTH of BLOCK_M rows of y and g, in the compute dtype."""
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    y_off, mask = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+    g_off, _ = _row_offsets(block, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
+                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    return y, g, mask
+
+
+@triton.jit
+def entmax15_backward_kernel(
+    Yp, G, DX, n_rows, n, inner,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    g_stride_outer, g_stride_inner, g_stride_n,
+    dx_stride_outer, dx_stride_inner, dx_stride_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
+):
+    """dx = s g - (sum(s g) / sum(s)) s, s = sqrt(y): BLOCK_M whole rows per program."""
+    block = tl.program_id(0)
+    y, g, mask = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
+                           y_stride_outer, y_stride_inner, y_stride_n,
+                           g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
+    total, norm = _weighted_sums(y, g)
+    dx = _backward_tile(y, g, total / norm)
+    dx_off, _ = _row_offsets(block, 0, n_rows, n, inner, dx_stride_outer, dx_stride_inner,
+                             dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
+    tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def entmax15_backward_streamed_kernel(
+    Yp, G, DX, n_rows, n, inner,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    g_stride_outer, g_stride_inner, g_stride_n,
+    dx_stride_outer, dx_stride_inner, dx_stride_n,
+    CHUNK: tl.constexpr, WIDE: tl.constexpr,
+):
+    """The same, one row per program streamed CHUNK entries at a time: a pass for the sums, a
+    pass that writes."""
+    row = tl.program_id(0)
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    total = tl.zeros([1], compute)
+    norm = tl.zeros([1], compute)
+    for start in range(0, n, CHUNK):
+        y, g, _ = _load_y_g(Yp, G, row, start, n_rows, n, inner,
+                            y_stride_outer, y_stride_inner, y_stride_n,
+                            g_stride_outer, g_stride_inner, g_stride_n, 1, CHUNK, WIDE)
+        total, norm = _add_add(total, norm, *_weighted_sums(y, g))
+    for start in range(0, n, CHUNK):
+        y, g, mask = _load_y_g(Yp, G, row, start, n_rows, n, inner,
+                               y_stride_outer, y_stride_inner, y_stride_n,
+                               g_stride_outer, g_stride_inner, g_stride_n, 1, CHUNK, WIDE)
+        dx = _backward_tile(y, g, total / norm)
+        dx_off, _ = _row_offsets(row, start, n_rows, n, inner, dx_stride_outer,
+                                 dx_stride_inner, dx_stride_n, 1, 1, CHUNK, WIDE)
+        tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def loss_kernel(
+    X, T, GL, OUT, n_rows, n, x_stride_row, x_stride_n, ignore_index,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    ENTMAX15: tl.constexpr, BACKWARD: tl.constexpr, WIDE: tl.constexpr,
+):
+    """The sparsemax (ENTMAX15=False) or entmax-1.5 loss of BLOCK_M rows of a [rows, n] view.
+
+    With p the prediction and z = x - max: loss = sum(p z) - z[target] + omega(p), omega(p) =
+    (1 - sum(p^2)) / 2 for sparsemax and (1 - sum(p^1.5)) / 0.75 for entmax-1.5 (the entmax
+    package's definitions; sum(p) = 1 makes the shift exact). The forward writes one loss per
+    row to OUT; BACKWARD writes GL[row] * (p - onehot(target)) to OUT, laid out as x. Rows whose
+    target is ignore_index give 0.
+    """
+    block = tl.program_id(0)
+    WIDTH: tl.constexpr = BLOCK_N // GROUP
+    off, mask = _row_offsets(block, 0, n_rows, n, 1, x_stride_row, 0, x_stride_n,
+                             BLOCK_M, GROUP, WIDTH, WIDE)
+    x = tl.load(X + off, mask=mask, other=-float("inf"))
+    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
+    row_max = _tile_max(x)
+    bad = _is_bad(row_max)
+    z = x - row_max[:, None, None]
+    if ENTMAX15:
+        z = z * 0.5  # entmax-1.5's coordinates; one tile live, not two
+        pivot, step = _entmax_tile_threshold(z, GROUP, True)
+        t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
+        p = t * t
+    else:
+        pivot, step = _tile_threshold(z, _group_max(z), GROUP)
+        p = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    target = tl.load(T + rows, mask=rows < n_rows, other=ignore_index)
+    ignored = target == ignore_index
+    cols = tl.arange(0, GROUP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+    is_target = cols[None, :, :] == target[:, None, None]
+    if BACKWARD:
+        scale = tl.load(GL + rows, mask=rows < n_rows, other=0.0).to(x.dtype)
+        dx = scale[:, None, None] * (p - is_target.to(x.dtype))
+        dx = tl.where(bad[:, None, None], float("nan"), dx)
+        dx = tl.where(ignored[:, None, None], 0.0, dx)
+        out_off, _ = _row_offsets(block, 0, n_rows, n, 1, n, 0, 1, BLOCK_M, GROUP, WIDTH, WIDE)
+        tl.store(OUT + out_off, dx.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        # With omega(p) = (1 - sum(p w)) / c, the loss is (sum(p (c x' - w)) - c x'[target] + 1) / c
+        # for x' = x - max: one reduction of one tile, constants exact in any dtype. entmax-1.5:
+        # c = 0.75, w = t, and c x' = 1.5 z; sparsemax: c = 2, w = p, c x' = 2 z. -inf entries
+        # have p = 0 and take no part (0 * -inf would be NaN); a target at -inf gives +inf.
+        if ENTMAX15:
+            a, c = 1.5, 0.75
+            terms = tl.where(p > 0, p * (a * z - t), 0.0)
+        else:
+            a, c = 2.0, 2.0
+            terms = tl.where(p > 0, p * (a * z - p), 0.0)
+        terms -= tl.where(is_target, a * z, 0.0)
+        loss = (tl.sum(tl.sum(terms, axis=2), axis=1) + 1.0) / c
+        loss = tl.where(bad, float("nan"), loss)
+        loss = tl.where(ignored, 0.0, loss)
+        tl.store(OUT + rows, loss.to(OUT.dtype.element_ty), mask=rows < n_rows)
+
+
+def _launch(forward_kernel, streamed_kernel, x, dim, out, group, num_warps, block_m, wide_sum,
+            chunk):
+    if x.numel() == 0:
+        return x.new_empty(x.shape) if out is None else out
+    y, x, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
+    wide = _wide(n, x_strides[2], y_strides[2])
+    if n > chunk:
+        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
+        group = group_size(block_n, x.element_size(), num_warps, group)
+        streamed_kernel[(n_rows,)](
+            x, y, n_rows, n, inner, *x_strides, *y_strides,
+            CHUNK=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum, num_warps=num_warps,
+        )
+        return y
+    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
+    group = group_size(block_n, x.element_size(), num_warps, group)
+    forward_kernel[(-(-n_rows // block_m),)](
+        x, y, n_rows, n, inner, *x_strides, *y_strides,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum,
+        num_warps=num_warps,
+    )
+    return y
+
+
+def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
+                     block_m=None, wide_sum=True, chunk=None) -> torch.Tensor:
+    """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
+
+    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks. The
+    other keyword arguments override the launch heuristics (for benchmarks and tests).
+    """
+    return _launch(entmax15_forward_kernel, entmax15_forward_streamed_kernel, x, dim, out,
+                   group, num_warps, block_m, wide_sum, chunk)
+
+
+def entmax15_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
+                      block_m=None, chunk=None) -> torch.Tensor:
+    """Launch the backward kernel into `out`, as `entmax15_forward` does."""
+    if y.numel() == 0:
+        return y.new_empty(y.shape) if out is None else out
+    dx, y, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
+    grad, (_, _, g_strides) = _strided(grad, dim)
+    args = (y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides)
+    wide = _wide(n, y_strides[2], g_strides[2], dx_strides[2])
+    if n > chunk:
+        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
+        entmax15_backward_streamed_kernel[(n_rows,)](
+            *args, CHUNK=block_n, WIDE=wide, num_warps=num_warps)
+        return dx
+    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
+    entmax15_backward_kernel[(-(-n_rows // block_m),)](
+        *args, BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, num_warps=num_warps)
+    return dx
+
+
+def loss_fits(n: int, dtype: torch.dtype, chunk=None) -> bool:
+    """Whether rows of n entries fit the fused loss kernel (one program's registers)."""
+    return n <= (max_block_n(dtype) if chunk is None else chunk)
+
+
+def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: bool,
+         grad_loss=None, out=None, group=None, num_warps=None, block_m=None) -> torch.Tensor:
+    """The fused loss of each row of a 2-D x (classes last) against target [rows], into `out`;
+    with grad_loss [rows], its gradient grad_loss * (p - onehot(target)) instead (contiguous,
+    x's shape). Rows must fit one program (`loss_fits`); targets must be valid."""
+    backward = grad_loss is not None
+    n_rows, n = x.shape
+    if out is None:
+        out = x.new_empty(x.shape if backward else (n_rows,))
+    if x.numel() == 0:  # no classes: every row is ignored, and its loss is 0
+        return out.zero_()
+    x, _ = _strided(x, 1)
+    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
+    group = group_size(block_n, x.element_size(), num_warps, group)
+    loss_kernel[(-(-n_rows // block_m),)](
+        x, target, grad_loss if backward else x, out, n_rows, n, x.stride(0), x.stride(1),
+        ignore_index, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, ENTMAX15=entmax15,
+        BACKWARD=backward, WIDE=_wide(n, x.stride(1)),
+        num_warps=num_warps,
+    )
+    return out
+
