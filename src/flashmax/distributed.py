@@ -35,10 +35,9 @@ import torch.distributed as dist
 from . import reference
 from .sparsemax import SUPPORTED_DTYPES, check_input, compute_dtype, sparsemax, uses_kernels
 
-try:
-    from .kernels import distributed as kernels
-except ImportError:  # Triton is optional: the torch path covers every device.
-    kernels = None
+from .kernels import load as load_kernels
+
+kernels = load_kernels("distributed")
 
 
 def newton_cap(width: int) -> int:

@@ -11,10 +11,9 @@ from torch import nn
 from . import reference_entmax as reference
 from .sparsemax import check_input, compute_dtype
 
-try:
-    from .kernels import entmax as kernels
-except ImportError:  # Triton is optional: the reference path covers every device.
-    kernels = None
+from .kernels import load as load_kernels
+
+kernels = load_kernels("entmax")
 
 
 def uses_kernels(x: torch.Tensor) -> bool:

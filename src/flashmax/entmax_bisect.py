@@ -20,10 +20,9 @@ from torch import nn
 from . import reference_bisect as reference
 from .sparsemax import check_input, uses_kernels
 
-try:
-    from .kernels import entmax_bisect as kernels
-except ImportError:  # Triton is optional: the reference path covers every device.
-    kernels = None
+from .kernels import load as load_kernels
+
+kernels = load_kernels("entmax_bisect")
 
 NAME = "entmax_bisect"
 

@@ -14,10 +14,9 @@ from torch import nn
 
 from . import reference
 
-try:
-    from .kernels import sparsemax as kernels
-except ImportError:  # Triton is optional: the reference path covers every device.
-    kernels = None
+from .kernels import load as load_kernels
+
+kernels = load_kernels("sparsemax")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

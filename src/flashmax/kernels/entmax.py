@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparsemax import (_add_add, _group_max, _is_bad, _nan_max, _row_max, _row_offsets, _rows,
-                        _strided, _tile_threshold, _wide, group_size, launch_config, max_block_n)
+from .sparsemax import (_add_add, _group_max, _is_bad, _nan_max, _row_offsets, _rows, _strided,
+                        _tile_max, _tile_threshold, _wide, group_size, launch_config, max_block_n)
 
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
@@ -103,12 +103,6 @@ def _entmax_tile_threshold(z, GROUP: tl.constexpr, WIDE_SUM: tl.constexpr):
         pivot, step = _entmax_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau, False)
         tau = pivot + step
     return _entmax_threshold(z, tau, WIDE_SUM)
-
-
-@triton.jit
-def _tile_max(x):
-    """The max of each row of a [BLOCK_M, GROUP, WIDTH] tile, NaN-propagating."""
-    return _row_max(_group_max(x))
 
 
 @triton.jit

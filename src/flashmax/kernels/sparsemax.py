@@ -143,6 +143,12 @@ def _row_max(group_max):
 
 
 @triton.jit
+def _tile_max(x):
+    """The max of each row of a [BLOCK_M, GROUP, WIDTH] tile, NaN-propagating."""
+    return _row_max(_group_max(x))
+
+
+@triton.jit
 def _is_bad(row_max):
     # NaN or +inf anywhere, or every entry -inf: the whole row is NaN (as torch.softmax).
     return (row_max != row_max) | (row_max == float("inf")) | (row_max == -float("inf"))
