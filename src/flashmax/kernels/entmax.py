@@ -33,17 +33,20 @@ def _add4_min(s1_a, s2_a, count_a, min_a, s1_b, s2_b, count_b, min_b):
 
 @triton.jit
 def _entmax_sums(z, tau, WIDE_SUM: tl.constexpr):
-    """Over a [BLOCK_M, A, B] tile, for d = z - tau: (sum of d > 0, sum of their squares, their
-    count, their smallest) per row. The sums of small terms d, in fp64 with WIDE_SUM: the step
+    """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d > 0, sum of their squares,
+    their count, their smallest) per row. The sums of small terms d, in fp64 with WIDE_SUM: the step
     divides by sum of squares - 1, with the sum close to 1."""
     d = z - tau[:, None, None]
     support = d > 0
     positive = tl.maximum(d, 0.0)
+    # Axis 1 lies inside a thread: its partial sums in the compute dtype first (at most GROUP - 1
+    # roundings), widened once per group rather than per entry (conversions run at 1/8 rate).
+    s1, s2, count, smallest = tl.reduce((positive, positive * positive, support.to(z.dtype),
+                                         tl.where(support, d, float("inf"))), 1, _add4_min)
     if WIDE_SUM:
-        positive = positive.to(tl.float64)
-    sums = tl.reduce((positive, positive * positive, support.to(z.dtype),
-                      tl.where(support, d, float("inf"))), 2, _add4_min)
-    return tl.reduce(sums, 1, _add4_min)
+        s1 = s1.to(tl.float64)
+        s2 = s2.to(tl.float64)
+    return tl.reduce((s1, s2, count, smallest), 1, _add4_min)
 
 
 @triton.jit
