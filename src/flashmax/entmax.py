@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import reference_entmax as reference
-from .sparsemax import check_input, compute_dtype
+from .sparsemax import check_input, compute_dtype, register_output_autograd
 
 from .kernels import load as load_kernels
 
@@ -55,17 +55,7 @@ def _(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
     return y.new_empty(y.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.dim = inputs[1]
-    ctx.save_for_backward(output)
-
-
-def _backward(ctx, grad):
-    (y,) = ctx.saved_tensors
-    return _entmax15_backward_op(y, grad, ctx.dim), None
-
-
-_entmax15_op.register_autograd(_backward, setup_context=_setup_context)
+register_output_autograd(_entmax15_op, _entmax15_backward_op)
 
 
 def _setup_backward_context(ctx, inputs, output):

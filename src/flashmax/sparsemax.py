@@ -80,17 +80,21 @@ def _(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
     return y.new_empty(y.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.dim = inputs[1]
-    ctx.save_for_backward(output)
+def register_output_autograd(op, backward_op) -> None:
+    """Autograd for an op (x, dim) -> y whose gradient is backward_op(y, grad, dim)."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.dim = inputs[1]
+        ctx.save_for_backward(output)
+
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return backward_op(y, grad, ctx.dim), None
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, grad):
-    (y,) = ctx.saved_tensors
-    return _sparsemax_backward_op(y, grad, ctx.dim), None
-
-
-_sparsemax_op.register_autograd(_backward, setup_context=_setup_context)
+register_output_autograd(_sparsemax_op, _sparsemax_backward_op)
 
 
 def _setup_backward_context(ctx, inputs, output):
