@@ -41,7 +41,7 @@ def alpha_rows(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
     """One float64 α per slice of x along dim, as a column (rows, 1)."""
     shape = list(x.shape)
     shape[dim] = 1
-    a = torch.as_tensor(alpha, dtype=torch.float64).expand(shape)
+    a = torch.as_tensor(alpha, dtype=torch.float64, device="cpu").expand(shape)
     return a.movedim(dim, -1).reshape(-1, 1)
 
 
@@ -82,14 +82,17 @@ def entmax15_sort(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def check_against_oracle(y, x, alpha, dim, rtol=None, ensure_sum_one=True):
     """fp32/fp64 within rtol of the oracle (norm-wise), NaN slices in place, sums one;
-    fp16/bf16 within 2 ulps of the oracle on the same (fp32) input, rounded once."""
-    assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
+    fp16/bf16 within 2 ulps of the oracle on the same (fp32) input, rounded once.
+
+    y and x (the input that gave y) may be on different devices: the oracle runs on the CPU,
+    and y is compared there (test_fresh_output_input_untouched checks y's device)."""
+    assert y.shape == x.shape and y.dtype == x.dtype
+    y, x = y.cpu(), x.cpu()
     if x.dtype in HALF_DTYPES:
         want = oracle(x.float(), alpha, dim, ensure_sum_one).to(x.dtype)
-        assert_within_ulps(y.cpu(), want, 2, f"entmax_bisect({x.dtype})")
+        assert_within_ulps(y, want, 2, f"entmax_bisect({x.dtype})")
         return
     ref = oracle(x, alpha, dim, ensure_sum_one)
-    y = y.cpu()
     assert torch.equal(torch.isnan(y), torch.isnan(ref)), "NaN slices differ from the oracle"
     err = relative_error(y, ref)
     assert err <= (rtol or RTOL[x.dtype]), f"relative error {err:.3g} against the oracle"
@@ -98,6 +101,19 @@ def check_against_oracle(y, x, alpha, dim, rtol=None, ensure_sum_one=True):
     if finite.any() and ensure_sum_one:
         worst = float((sums[finite] - 1).abs().max())
         assert worst <= SUM_TOL[x.dtype], f"row sums off by {worst:.3g}"
+
+
+def test_check_against_oracle_can_fail():
+    """The helper compares on the CPU whatever y's device, but still rejects wrong results."""
+    x = make_input((4, 20), -1, torch.float32, seed=1)
+    y = entmax_bisect(x.to(DEVICE), 1.5)
+    check_against_oracle(y, x, 1.5, -1)
+    wrong = [y.flip(-1), y * (1 + 1e-4), y.double(), y[:, 1:], y.masked_fill(y == 0, math.nan)]
+    for bad in wrong:
+        with pytest.raises(AssertionError):
+            check_against_oracle(bad, x, 1.5, -1)
+    with pytest.raises(AssertionError):
+        check_against_oracle(y, x, 1.6, -1)
 
 
 def test_oracle_is_sparsemax_at_2_and_entmax15_at_1_5():
@@ -210,7 +226,8 @@ def test_fresh_output_input_untouched(dtype, layout):
     x0 = x.clone()
     for dim in (0, 1):
         y = entmax_bisect(x, 1.7, dim)
-        assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
+        assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+        assert y.is_contiguous()
         assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
         y.fill_(3.0)
         assert_bitwise_equal(x, x0, "x changed")
@@ -534,7 +551,7 @@ def test_kernel_matches_oracle(dist, alpha):
         x0 = x.clone()
         y = kernel_forward(x, alpha)
         assert torch.equal(x, x0)
-        check_against_oracle(y, x.cpu(), alpha, -1, rtol=1e-5 if alpha > 2 else 1e-6)
+        check_against_oracle(y, x, alpha, -1, rtol=1e-5 if alpha > 2 else 1e-6)
 
 
 @needs_triton
@@ -545,7 +562,7 @@ def test_kernel_group_maxima_bound(alpha, group):
     for seed, dist in enumerate(["randn", "near_max", "ties", "masked", "huge"]):
         x = make_rows(dist, K_ROWS, 100, seed=31 + seed)
         x[0, 1:] = -INF  # one entry: a single group holds the support
-        check_against_oracle(kernel_forward(x, alpha, group=group), x.cpu(), alpha, -1,
+        check_against_oracle(kernel_forward(x, alpha, group=group), x, alpha, -1,
                              rtol=1e-5 if alpha > 2 else 1e-6)
 
 
@@ -554,7 +571,7 @@ def test_kernel_group_maxima_bound(alpha, group):
 def test_kernel_alpha_near_1(alpha):
     """float32 d = z − τ is raised to k = 1/(α−1): its rounding must not grow with k."""
     x = make_rows("randn", K_ROWS, 300, seed=30)
-    check_against_oracle(kernel_forward(x, alpha), x.cpu(), alpha, -1, rtol=2e-6)
+    check_against_oracle(kernel_forward(x, alpha), x, alpha, -1, rtol=2e-6)
 
 
 @needs_triton
@@ -562,7 +579,7 @@ def test_kernel_alpha_near_1(alpha):
 def test_kernel_dtypes(dtype):
     for alpha in (1.25, 3.0):
         x = make_rows("randn", K_ROWS, 60, dtype, seed=19)
-        check_against_oracle(kernel_forward(x, alpha), x.cpu(), alpha, -1,
+        check_against_oracle(kernel_forward(x, alpha), x, alpha, -1,
                              rtol=1e-12 if dtype == torch.float64 else None)
 
 
@@ -575,7 +592,7 @@ def test_kernel_launch_paths(config):
         x = make_rows("randn", 2 * K_ROWS + 1, 100, seed=20)
         x[0, 40:] = -INF  # whole chunks without support
         x[1, :60] -= 20
-        check_against_oracle(kernel_forward(x, alpha, **config), x.cpu(), alpha, -1, rtol=1e-5)
+        check_against_oracle(kernel_forward(x, alpha, **config), x, alpha, -1, rtol=1e-5)
 
 
 @needs_triton
@@ -591,16 +608,16 @@ def test_kernel_per_row_alpha_bad_rows_and_dims(config):
     y = kernel_forward(x, alpha.to(DEVICE), **config).cpu()
     assert torch.isnan(y[:3]).all() and torch.isnan(y[4:]).all()  # α <= 1 or NaN: NaN rows
     assert (y[3, :30] == 0).all()
-    check_against_oracle(y[3:4], x[3:4].cpu(), 2.5, -1)
+    check_against_oracle(y[3:4], x[3:4], 2.5, -1)
     for dim in (0, 1, 2):  # strided rows of a 3-D view, per-slice α
         x3 = make_rows("randn", 4, 5 * 6, seed=22 + dim).reshape(4, 5, 6)
         shape = [4, 5, 6]
         shape[dim] = 1
         a3 = torch.linspace(1.1, 3.0, math.prod(shape), dtype=torch.float64).reshape(shape)
         y3 = kernel_forward(x3, a3.to(DEVICE), dim, **config)
-        check_against_oracle(y3, x3.cpu(), a3, dim, rtol=1e-5)
+        check_against_oracle(y3, x3, a3, dim, rtol=1e-5)
     view = make_rows("randn", 8, 3 * 50, seed=25).reshape(8, 3, 50)[::2, 1, ::3]
-    check_against_oracle(kernel_forward(view, 1.5, **config), view.cpu(), 1.5, -1)
+    check_against_oracle(kernel_forward(view, 1.5, **config), view, 1.5, -1)
 
 
 @needs_triton
@@ -610,7 +627,7 @@ def test_kernel_n_iter_bounds_the_steps_and_ensure_sum_one():
     assert (y1.double().sum(-1) - 1).abs().max() <= 1e-6
     assert relative_error(y1, oracle(x.cpu(), 1.5)) > 1e-3
     y = kernel_forward(x, 1.5, ensure_sum_one=False)
-    check_against_oracle(y, x.cpu(), 1.5, -1, ensure_sum_one=False)
+    check_against_oracle(y, x, 1.5, -1, ensure_sum_one=False)
     assert torch.equal(kernel_forward(x, 1.5), kernel_forward(x.clone(), 1.5))
 
 
@@ -644,7 +661,7 @@ def test_eager_path_matches_custom_op_and_entmax_speed_shape():
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(y_fast, (x, alpha), g),
                                                  torch.autograd.grad(y_op, (x, alpha), g)))
     for a in ALPHAS:
-        check_against_oracle(entmax_bisect(x[:256].detach(), a), x[:256].detach().cpu(), a, -1,
+        check_against_oracle(entmax_bisect(x[:256].detach(), a), x[:256].detach(), a, -1,
                              rtol=1e-5)
 
 
@@ -661,8 +678,8 @@ def test_cuda_graph_capture():
     alpha.fill_(1.25)
     graph.replay()
     torch.cuda.synchronize()
-    check_against_oracle(y, x.cpu(), 1.25, -1, rtol=1e-5)
-    check_against_oracle(y_float, x.cpu(), 3.0, -1, rtol=1e-5)
+    check_against_oracle(y, x, 1.25, -1, rtol=1e-5)
+    check_against_oracle(y_float, x, 3.0, -1, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
