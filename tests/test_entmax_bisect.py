@@ -20,8 +20,8 @@ from flashmax import EntmaxBisect, entmax_bisect
 from oracle import oracle as sparsemax_oracle
 from oracle import relative_error
 from test_sparsemax import (FLOAT_DTYPES, HALF_DTYPES, PROPERTY_SETTINGS, assert_bitwise_equal,
-                            assert_within_ulps, inputs, make_input, noncontiguous_copy,
-                            separated_input)
+                            assert_equal_to_precision, assert_within_ulps, inputs, make_input,
+                            noncontiguous_copy, separated_input)
 
 DEVICE = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu")
 ON_GPU = DEVICE == "cuda"
@@ -254,8 +254,14 @@ def test_neg_inf_entries_take_no_part(dtype, alpha):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_bad_slices_are_nan_and_others_unaffected(dtype):
+    """Bad slices are NaN; the others are bit for bit what they are without them, in the same
+    memory layout. Across layouts only to the dtype's precision: a compiled kernel sums a row
+    in an order that follows the register layout Triton picks for its loads (Triton 3.6 on an
+    H200: one row per thread for these slices along dim 1, strided by 9; a row across 8 lanes
+    for contiguous rows)."""
     x = make_input((6, 7, 9), 1, dtype, seed=12, mask_p=0.3)
-    rows = x.movedim(1, -1).clone()
+    poisoned = x.clone()
+    rows = poisoned.movedim(1, -1)  # a view: writes poison the slices of x's layout
     rows[0, 0] = -INF
     rows[1, 2, 3] = math.nan
     rows[2, 1, 0] = INF
@@ -264,11 +270,17 @@ def test_bad_slices_are_nan_and_others_unaffected(dtype):
     bad = torch.zeros(rows.shape[:-1], dtype=torch.bool)
     for idx in [(0, 0), (1, 2), (2, 1), (3, 3)]:
         bad[idx] = True
-    y_rows = entmax_bisect(rows.movedim(-1, 1).to(DEVICE), 1.5, 1).movedim(1, -1).cpu()
+    y_rows = entmax_bisect(poisoned.to(DEVICE), 1.5, 1).movedim(1, -1).cpu()
     assert bool(torch.isnan(y_rows[bad]).all())
     assert not bool(torch.isnan(y_rows[~bad]).any())
-    alone = entmax_bisect(rows[~bad].to(DEVICE), 1.5).cpu()
-    assert_bitwise_equal(y_rows[~bad], alone, "good slices changed by bad ones")
+    clean = entmax_bisect(x.to(DEVICE), 1.5, 1).movedim(1, -1).cpu()
+    assert_bitwise_equal(y_rows[~bad], clean[~bad], "good slices changed by bad ones")
+    # Contiguous rows: the good ones move to other positions, among other neighbours.
+    flat, good = rows.reshape(-1, 7), ~bad.flatten()
+    y_flat = entmax_bisect(flat.to(DEVICE), 1.5).cpu()
+    alone = entmax_bisect(flat[good].to(DEVICE), 1.5).cpu()
+    assert_bitwise_equal(y_flat[good], alone, "good rows changed by bad ones")
+    assert_equal_to_precision(y_rows[~bad], alone, "strided and contiguous rows")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -618,6 +630,28 @@ def test_kernel_per_row_alpha_bad_rows_and_dims(config):
         check_against_oracle(y3, x3, a3, dim, rtol=1e-5)
     view = make_rows("randn", 8, 3 * 50, seed=25).reshape(8, 3, 50)[::2, 1, ::3]
     check_against_oracle(kernel_forward(view, 1.5, **config), view, 1.5, -1)
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [{}, {"block_m": 4, "num_warps": 1},
+                                    {"block_m": 4, "group": 4, "num_warps": 1}],
+                         ids=["default", "four-rows", "four-rows-groups"])
+def test_kernel_rows_do_not_depend_on_their_program(config):
+    """Rows converge after different numbers of steps (α from near 1 to 4, ties, bad rows),
+    and the loop runs until the last row of a program is done: the others must stay frozen.
+    Permuting the rows regroups them into other programs and keeps the layout, so each row
+    must come out bit for bit the same."""
+    x = make_rows("ties", 16, 50, seed=32)
+    x[::2] = make_rows("randn", 8, 50, seed=33)
+    x[3, 7] = math.nan
+    x[9] = -INF
+    x[12, :45] = -INF
+    alpha = torch.linspace(1.001, 4.0, 16, dtype=torch.float64).reshape(16, 1).to(DEVICE)
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(34)).to(DEVICE)
+    for n_iter in (3, 50):  # some rows stop at the bound, others converge
+        y = kernel_forward(x, alpha, n_iter=n_iter, **config)
+        permuted = kernel_forward(x[perm], alpha[perm], n_iter=n_iter, **config)
+        assert_bitwise_equal(permuted, y[perm], f"a row depends on its program (n_iter={n_iter})")
 
 
 @needs_triton
