@@ -11,7 +11,9 @@ package in float64 with 200 steps (or flashmax in float64 when entmax is absent)
 256 rows. Prints a table and the entmax/flashmax ratio; writes entmax_bisect_speed.json under
 $OUT when it is set. On a CPU it runs the same on a small shape (the CPU path), and says so.
 --warps also times flashmax's forward kernel at each of those num_warps (tuning the launch
-heuristic, `kernels.entmax_bisect._warps`).
+heuristic, `kernels.entmax_bisect._warps`). `flashmax bench --op entmax_bisect --alpha A` times
+the same peers over the bench's shapes, one α per run; this script keeps the several α of one
+run, the row sums and the --warps sweep.
 """
 
 import argparse

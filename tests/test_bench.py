@@ -183,3 +183,35 @@ def test_entmax15_oracle_is_not_sparsemax():
     oracle = runner.Oracle(workload, torch.device("cpu"), "entmax15")
     assert oracle.error("forward", flashmax.entmax15(x)) < 1e-6
     assert oracle.error("forward", flashmax.sparsemax(x)) > 1e-2
+
+
+def test_entmax_bisect_op_runs_at_its_alpha(tmp_path):
+    data = run(tmp_path, "--op", "entmax_bisect", "--alpha", "1.25", "--modes", "forward", "backward")
+    records = data["records"]
+    assert {(record["op"], record["alpha"]) for record in records} == {("entmax_bisect", 1.25)}
+    runnable = [impl.name for impl in peers.discover(torch.device("cpu"), op="entmax_bisect") if impl.available]
+    assert "flashmax" in runnable and "torch-sort" not in runnable and "liger" not in runnable
+    assert len(records) == 2 * 2 * len(runnable)  # features x modes x impls
+    for record in records:
+        assert record["error"] is None, record
+        if record["impl"] in ("flashmax", "entmax-bisect"):
+            assert record["inexact"] is False, record
+    assert (tmp_path / "bench.md").read_text().startswith("# flashmax bench: entmax_bisect (α = 1.25)")
+    parser = cli.build_parser()
+    for wrong in (["--alpha", "1"], ["--alpha", "inf"], ["--op", "entmax15", "--alpha", "1.5"]):
+        with pytest.raises(SystemExit):
+            cli.settings_from_args(parser.parse_args(["bench", "--device", "cpu", *wrong]), parser)
+
+
+def test_entmax_bisect_oracle_and_impls_take_alpha():
+    """The α given reaches the oracle (forward and gradient) and every implementation."""
+    workload = Workload(tokens=4, features=16, dtype="fp32", dist="randn")
+    x, g = workload.input(torch.device("cpu")), workload.grad(torch.device("cpu"))
+    oracle = runner.Oracle(workload, torch.device("cpu"), "entmax_bisect", 1.25)
+    assert oracle.error("forward", flashmax.entmax_bisect(x, 1.25)) < 1e-6
+    assert oracle.error("forward", flashmax.entmax_bisect(x, 1.5)) > 1e-2
+    xg = x.clone().requires_grad_()
+    dx = torch.autograd.grad(flashmax.entmax_bisect(xg, 1.25), xg, g)[0]
+    assert oracle.error("backward", dx) < 1e-5
+    flashmax_impl = peers.discover(torch.device("cpu"), ["flashmax"], "entmax_bisect", 1.25)[0]
+    assert torch.equal(flashmax_impl.fn(x, -1), flashmax.entmax_bisect(x, 1.25))

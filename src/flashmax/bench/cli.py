@@ -1,12 +1,13 @@
 """`flashmax bench`: parse the options, pick the device and workload, run, report."""
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
 
 from . import files, report
-from .peers import NAMES, OPS
+from .peers import DEFAULT_ALPHA, NAMES, OPS
 from .runner import Settings, format_bytes, run_bench
 from .timing import Budget
 from .workloads import (CPU_FEATURES, CPU_SWEEP_MAX_FEATURES, CPU_SWEEP_MIN_BYTES, CPU_TOKENS, DISTRIBUTIONS, DTYPES,
@@ -24,6 +25,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def alpha_above_1(text: str) -> float:
+    value = float(text)
+    if not 1 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number > 1, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashmax", description="flashmax: exact sparsemax on GPUs.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,9 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time sparsemax implementations side by side, each against the floor of a clone "
                     "moving the same bytes; writes bench.json, bench.md and plots to --out.")
     bench.add_argument("--op", choices=OPS, default="sparsemax",
-                       help="the normaliser timed: sparsemax (default) or entmax15 (its peers: the "
+                       help="the normaliser timed: sparsemax (default), entmax15 (its peers: the "
                             "entmax package's entmax15 and entmax_bisect(alpha=1.5), AdaSplash's "
-                            "triton_entmax15, the sort baseline)")
+                            "triton_entmax15, the sort baseline) or entmax_bisect at --alpha (its peers: "
+                            "the entmax package's entmax_bisect, AdaSplash's triton_entmax)")
+    bench.add_argument("--alpha", type=alpha_above_1,
+                       help=f"with --op entmax_bisect: α > 1 (default: {DEFAULT_ALPHA})")
     bench.add_argument("--dtype", dest="dtypes", nargs="+", choices=list(DTYPES), metavar="DTYPE",
                        help=f"input dtypes: {', '.join(DTYPES)} (default: fp32; fp32 bf16 with --sweep)")
     bench.add_argument("--features", nargs="+", type=positive_int,
@@ -76,6 +87,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error("--sweep picks the tokens of each width from --min-bytes: drop --tokens")
     if args.min_bytes and not args.sweep:
         parser.error("--min-bytes goes with --sweep")
+    if args.alpha and args.op != "entmax_bisect":
+        parser.error("--alpha goes with --op entmax_bisect")
     device = torch.device(args.device or ("cuda" if has_gpu else "cpu"))
     where = "No GPU found" if not has_gpu else "On the CPU"
     tokens, min_bytes = args.tokens, None
@@ -105,6 +118,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         budget=QUICK_BUDGET if args.quick else FULL_BUDGET,
         sweep_min_bytes=min_bytes,
         op=args.op,
+        alpha=args.alpha or DEFAULT_ALPHA,
     )
 
 

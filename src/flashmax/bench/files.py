@@ -47,7 +47,7 @@ def cell(record: "Record | None") -> str:
 def write_markdown(result: "Result", path: Path) -> Path:
     settings = result.settings
     impls = [impl.name for impl in result.impls if impl.available]
-    lines = [f"# flashmax bench: {settings.op}", "", header(result), "",
+    lines = [f"# flashmax bench: {settings.title}", "", header(result), "",
              f"Inputs: {settings.inputs}, `{settings.dist}`. Cells: median µs (× floor), on a GPU "
              "the GPU time alone (CUDA-graph replay, L2 flushed before each run), elsewhere wall time; "
              "the floor is `x.clone()` timed the same way, scaled to the tensors each mode moves "

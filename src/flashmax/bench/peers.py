@@ -1,8 +1,9 @@
 """The implementations compared: flashmax, the PyTorch sort baseline and published peers, for
-each op (sparsemax, entmax15).
+each op (sparsemax, entmax15, entmax_bisect).
 
 Every one is optional: a missing package or a missing GPU makes an `Impl` with a reason, never an
-error. Each runnable one is a function (x, dim) -> y that supports autograd.
+error. Each runnable one is a function (x, dim) -> y that supports autograd; entmax_bisect's
+loaders give (x, dim, alpha) -> y, and α is bound when the implementation is resolved.
 """
 
 import functools
@@ -64,9 +65,10 @@ def _load_liger() -> SparsemaxFn:
     return lambda x, dim: module_for(dim)(x)
 
 
-def _last_dim(fn: Callable[[torch.Tensor], torch.Tensor]) -> SparsemaxFn:
-    """fn works on the last dim of a contiguous tensor (a no-op for ours)."""
-    return lambda x, dim: fn(x.movedim(dim, -1).contiguous()).movedim(-1, dim)
+def _last_dim(fn: Callable[..., torch.Tensor]) -> SparsemaxFn:
+    """fn works on the last dim of a contiguous tensor (a no-op for ours); keyword options pass
+    through."""
+    return lambda x, dim, **options: fn(x.movedim(dim, -1).contiguous(), **options).movedim(-1, dim)
 
 
 def _load_adasplash() -> SparsemaxFn:
@@ -105,6 +107,22 @@ def _load_adasplash_entmax15() -> SparsemaxFn:
     return _last_dim(triton_entmax15)
 
 
+def _load_flashmax_entmax_bisect() -> SparsemaxFn:
+    return lambda x, dim, alpha: flashmax.entmax_bisect(x, alpha, dim)
+
+
+def _load_entmax_entmax_bisect() -> SparsemaxFn:
+    from entmax import entmax_bisect
+
+    return lambda x, dim, alpha: entmax_bisect(x, alpha, dim=dim)
+
+
+def _load_adasplash_entmax_bisect() -> SparsemaxFn:
+    from adasplash import triton_entmax
+
+    return _last_dim(triton_entmax)
+
+
 @dataclass(frozen=True)
 class Peer:
     name: str
@@ -132,8 +150,14 @@ ENTMAX15_PEERS = (
     Peer("entmax-bisect", "entmax", _load_entmax_bisect_entmax15),
     Peer("adasplash", "adasplash", _load_adasplash_entmax15, min_version="0.2", needs_gpu=True),
 )
-OPS = ("sparsemax", "entmax15")
-NAMES = tuple(dict.fromkeys(peer.name for peer in PEERS + ENTMAX15_PEERS))
+ENTMAX_BISECT_PEERS = (
+    Peer("flashmax", "flashmax", _load_flashmax_entmax_bisect),
+    Peer("entmax-bisect", "entmax", _load_entmax_entmax_bisect),
+    Peer("adasplash", "adasplash", _load_adasplash_entmax_bisect, min_version="0.2", needs_gpu=True),
+)
+OPS = ("sparsemax", "entmax15", "entmax_bisect")
+DEFAULT_ALPHA = 1.5  # entmax_bisect's, as in the entmax package
+NAMES = tuple(dict.fromkeys(peer.name for peer in PEERS + ENTMAX15_PEERS + ENTMAX_BISECT_PEERS))
 
 
 def package_version(package: str) -> str | None:
@@ -151,16 +175,20 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def discover(device: torch.device, requested: Sequence[str] | None = None,
-             op: str = "sparsemax") -> list[Impl]:
-    """The implementations of op to show, in leaderboard order: all of them, or those requested."""
+             op: str = "sparsemax", alpha: float = DEFAULT_ALPHA) -> list[Impl]:
+    """The implementations of op to show, in leaderboard order: all of them, or those requested.
+    alpha: entmax_bisect's α."""
+    # Looked up here, not in a module-level table: tests replace PEERS.
+    op_peers = {"sparsemax": PEERS, "entmax15": ENTMAX15_PEERS, "entmax_bisect": ENTMAX_BISECT_PEERS}[op]
     return [
-        _resolve(peer, device, asked=requested is not None)
-        for peer in (PEERS if op == "sparsemax" else ENTMAX15_PEERS)
+        _resolve(peer, device, asked=requested is not None,
+                 alpha=alpha if op == "entmax_bisect" else None)
+        for peer in op_peers
         if requested is None or peer.name in requested
     ]
 
 
-def _resolve(peer: Peer, device: torch.device, asked: bool) -> Impl:
+def _resolve(peer: Peer, device: torch.device, asked: bool, alpha: float | None) -> Impl:
     version = package_version(peer.package)
     on_gpu = device.type == "cuda"
     if version is None:
@@ -175,4 +203,4 @@ def _resolve(peer: Peer, device: torch.device, asked: bool) -> Impl:
         fn = peer.load()
     except Exception as error:  # a broken install of an optional peer must not stop the run
         return Impl(peer.name, version, None, f"import failed: {type(error).__name__}: {error}")
-    return Impl(peer.name, version, fn)
+    return Impl(peer.name, version, fn if alpha is None else functools.partial(fn, alpha=alpha))

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import flashmax
+from flashmax import reference_bisect
 from flashmax.reference import sparsemax_sort
 from flashmax.reference_entmax import entmax15_sort
 
@@ -45,6 +46,7 @@ class Settings:
     budget: Budget
     sweep_min_bytes: int | None = None  # a sweep: rows per workload for input tensors of at least this
     op: str = "sparsemax"  # one of peers.OPS
+    alpha: float = peers.DEFAULT_ALPHA  # entmax_bisect's α
 
     @property
     def sweep(self) -> bool:
@@ -55,6 +57,11 @@ class Settings:
 
     def _tokens(self, features: int, dtype: str) -> int:
         return sweep_tokens(features, dtype, self.sweep_min_bytes) if self.sweep else self.tokens
+
+    @property
+    def title(self) -> str:
+        """The op, with its α where that is a setting."""
+        return f"{self.op} (α = {self.alpha})" if self.op == "entmax_bisect" else self.op
 
     @property
     def inputs(self) -> str:
@@ -82,6 +89,7 @@ class Record:
     mode: str
     dist: str
     op: str
+    alpha: float | None  # entmax_bisect's α; None for the other ops
     median_us: float | None
     p20_us: float | None
     p80_us: float | None
@@ -122,7 +130,7 @@ class Measurement:
 
 
 def run_bench(settings: Settings) -> Result:
-    impls = peers.discover(settings.device, settings.requested_impls, settings.op)
+    impls = peers.discover(settings.device, settings.requested_impls, settings.op, settings.alpha)
     runnable = [impl for impl in impls if impl.available]
     workloads = settings.workloads()
     environment = describe_environment(settings.device)
@@ -138,7 +146,7 @@ def run_bench(settings: Settings) -> Result:
             if settings.device.type == "cuda":
                 clone_graph = measure_graph_replay(clone, settings.device, settings.budget)[0]
                 clone_graph_us = clone_graph.median_us if clone_graph else None
-            oracle = Oracle(workload, settings.device, settings.op)
+            oracle = Oracle(workload, settings.device, settings.op, settings.alpha)
             for impl in runnable:
                 for mode in settings.modes:
                     advance(f"{workload.dtype} × {workload.features}: {impl.name} {mode}")
@@ -193,14 +201,21 @@ def relative_error(output: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor)
 
 
 class Oracle:
-    """Float64 sparsemax or entmax-1.5 by sorting the workload's input, on the same device, and
-    its gradient: dx = s * g - (sum(s * g) / sum(s)) * s with s = (y > 0) for sparsemax (g minus
-    its mean over the support) and s = sqrt(y) for entmax-1.5."""
+    """The op in float64 on the workload's input, on the same device: sparsemax and entmax-1.5 by
+    sorting, α-entmax by flashmax's pure-torch solver (the CPU path, checked against plain
+    bisection by the tests) run to convergence. And its gradient: dx = s * g - (sum(s * g) /
+    sum(s)) * s with s = y^(2 - α) on the support (1 for sparsemax: g minus its mean over the
+    support; sqrt(y) for entmax-1.5)."""
 
-    def __init__(self, workload: Workload, device: torch.device, op: str = "sparsemax"):
+    def __init__(self, workload: Workload, device: torch.device, op: str = "sparsemax",
+                 alpha: float = peers.DEFAULT_ALPHA):
         x, g = workload.input(device).double(), workload.grad(device).double()
-        self.y = (sparsemax_sort if op == "sparsemax" else entmax15_sort)(x, -1)
-        s = (self.y > 0).double() if op == "sparsemax" else self.y.sqrt()
+        if op == "entmax_bisect":
+            self.y = reference_bisect.entmax_bisect_forward(x, x.new_full((x.shape[0], 1), alpha), 200, True)
+        else:
+            self.y = (sparsemax_sort if op == "sparsemax" else entmax15_sort)(x, -1)
+            alpha = 2.0 if op == "sparsemax" else 1.5  # the α these ops are
+        s = torch.where(self.y > 0, self.y ** (2 - alpha), 0.0)
         self.dx = s * g - (s * g).sum(-1, keepdim=True) / s.sum(-1, keepdim=True) * s
         # dx is all zeros when every support is one entry (randn10, wide rows): measure against g.
         self.g_norm = g.norm()
@@ -233,6 +248,7 @@ def to_record(impl: peers.Impl, workload: Workload, mode: str, clone_us: tuple[f
         mode=mode,
         dist=workload.dist,
         op=settings.op,
+        alpha=settings.alpha if settings.op == "entmax_bisect" else None,
         median_us=median_us,
         p20_us=measured.timing.p20_us if measured.timing else None,
         p80_us=measured.timing.p80_us if measured.timing else None,
