@@ -132,6 +132,28 @@ def end_to_end(records, rows):
                             forward_op_us=fwd, forward_launch_us=launch))
 
 
+def profile_kernels(shapes, reps=10):
+    """Per-kernel GPU time of the default forward (median over reps, fp32 randn and rand): which
+    pass of a multi-kernel path holds the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for rows, n in shapes:
+        for dist in ("randn", "rand"):
+            x = make(dist, rows, n, torch.float32, 0)
+            kernels.sparsemax_forward(x, 1)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    kernels.sparsemax_forward(x, 1)
+                torch.cuda.synchronize()
+            times = {}
+            for event in prof.events():
+                if event.device_type == torch.autograd.DeviceType.CUDA:
+                    times.setdefault(event.name, []).append(event.device_time)
+            parts = ", ".join(f"{name} {statistics.median(t):.1f}" for name, t in times.items())
+            print(f"profile {rows}x{n} {dist}: {parts} (us, L2 warm)", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -142,8 +164,13 @@ def main():
                         help="an earlier kernels module to time as variant 'baseline'")
     parser.add_argument("--variants-on-shapes", action="store_true",
                         help="time every variant on --shapes, not the default kernel only")
+    parser.add_argument("--variants", metavar="JSON",
+                        help='forward variants to time instead of the built-in ones, e.g. '
+                             '\'{"default": {}, "c8192": {"chunk": 8192}}\'')
     parser.add_argument("--shapes", nargs="+", metavar="ROWSxN",
                         help="shapes to time with the default kernel only, e.g. 512x131072")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each kernel's GPU time on --shapes")
     args = parser.parse_args()
     widths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
     shapes = [(args.tokens, n) for n in widths]
@@ -159,7 +186,7 @@ def main():
             for dist in DISTS[dtype]:
                 inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
                 floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
-                variants = FORWARD_VARIANTS
+                variants = json.loads(args.variants) if args.variants else FORWARD_VARIANTS
                 if dtype != torch.float32 or (args.shapes and not args.variants_on_shapes):
                     variants = {"default": {}}
                 launchers = {name: forward_launcher(kernels, config, rows, n)
@@ -192,6 +219,8 @@ def main():
             print(f"done {rows}x{n} {dtype}", flush=True)
     if not args.shapes:
         end_to_end(records, args.tokens)
+    if args.profile and args.shapes:
+        profile_kernels(shapes)
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__)

@@ -14,10 +14,14 @@ Every step is a chain of reductions whose latency, not the arithmetic, bounds sh
 the launch heuristics give each row as few warps as its registers allow (one warp up to 2048
 entries), so that most reductions are warp shuffles and many rows are in flight per SM.
 
-Rows longer than MAX_BLOCK_N are split into chunks, one program each, and the programs of a
-row meet through a few scalars per chunk in a small scratch: a pass for every chunk's max and
-exact tau (the best is a lower bound on the row's), Newton passes, a writing pass. Exact, free
-of host synchronisation (CUDA-graph capturable), but several reads of the row.
+Rows longer than MAX_BLOCK_N are split into chunks, one program each, in three passes that
+meet through a few scalars per chunk in a small scratch. Pass 1 reads each chunk once: its max,
+a lower bound on tau (the tau of its group maxima), and its candidates, the entries above that
+bound, which hold the chunk's part of the support; few of them (a chunk's support is small
+next to the chunk) are stored, with their indices, in the output's own chunk. Pass 2, one
+program per row, finds the exact tau by Newton over the candidates alone. Pass 3 writes zeros
+and the candidates' outputs. A long row is thus read once and written once, like a copy;
+chunks whose candidates do not fit (rows of ties) are read again by passes 2 and 3.
 """
 
 import torch
@@ -36,15 +40,26 @@ ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer
 SHORT_ROW = 256
 SHORT_ROW_ENTRIES_PER_THREAD = 16
 # Rows longer than one program's registers are split over programs, one chunk each, that
-# communicate through a small scratch: per chunk PART_SIZE partial results, per row the Newton
-# state. Programs are numbered row * n_splits + split.
+# communicate through a small scratch: per chunk PART_SIZE values, per row STATE_SIZE. Programs
+# are numbered row * n_splits + split.
 PART_SIZE = tl.constexpr(3)
-STATE_SIZE = tl.constexpr(5)
-STATE_MAX, STATE_PIVOT, STATE_STEP, STATE_CENTRE, STATE_DONE = (tl.constexpr(i) for i in range(5))
-SPLIT_NEWTON_PASSES = 8  # then the rows still open are finished by the streamed kernel
-# Rows are split only when there are too few to occupy the GPU one program per row: a streamed
-# program re-reads its row from L2, split passes read every row from memory again.
-SPLIT_ROWS_PER_SM = 0.5
+PART_MAX, PART_BOUND, PART_COUNT = (tl.constexpr(i) for i in range(3))
+STATE_SIZE = tl.constexpr(3)
+STATE_MAX, STATE_PIVOT, STATE_STEP = (tl.constexpr(i) for i in range(3))
+CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
+# Split rows are cut into chunks of (entries, warps) (fp64: half the entries): at most half the
+# registers of a whole row, as the first pass keeps its candidates' slots and offsets live too.
+# Measured on an H200 (benchmarks/NOTES.md, v10): from SPLIT_MANY_ROWS rows on, smaller
+# programs (several per SM, one's loads overlapping another's arithmetic) are faster; fewer rows
+# keep larger chunks, whose fewer candidates shorten the row pass.
+SPLIT_LAUNCH = {False: (16384, 16), True: (8192, 4)}
+SPLIT_MANY_ROWS = 16
+# A chunk with at most this many candidates writes its outputs without reading its input again.
+SPARSE_WRITE = 1024
+# The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk).
+THRESHOLD_TILE = 4096
+# Bits of a stored candidate's index, per output dtype.
+INDEX_TYPE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 @triton.jit
@@ -206,67 +221,6 @@ def sparsemax_forward_kernel(
 
 
 @triton.jit
-def sparsemax_forward_streamed_kernel(
-    X, Y, STATE, n_rows, n, inner,
-    x_stride_outer, x_stride_inner, x_stride_n,
-    y_stride_outer, y_stride_inner, y_stride_n,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
-):
-    """Rows too long for registers, one program each, or the split rows that the split passes
-    left open (STATE done = 0; every loop is empty for the other rows), streamed CHUNK entries
-    at a time: a pass for the max, a pass for the best chunk's exact tau (a lower bound on the
-    row's), a pass per Newton step, a pass that writes (while the row stays in L2)."""
-    row = tl.program_id(0)
-    WIDTH: tl.constexpr = CHUNK // GROUP
-    compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    n = tl.where(tl.load(STATE + row * STATE_SIZE + STATE_DONE) != 0, 0, n)
-    row_max = tl.full([1], -float("inf"), compute)
-    for start in range(0, n, CHUNK):
-        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
-        x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
-        row_max = _nan_max(row_max, _row_max(_group_max(x)))
-    bad = _is_bad(row_max)
-
-    tau = tl.full([1], -1.0, compute)
-    for start in range(0, n, CHUNK):
-        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
-        x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
-        z = x - row_max[:, None, None]
-        pivot, step = _tile_threshold(z, _group_max(x) - row_max[:, None], GROUP)
-        tau = tl.maximum(tau, pivot + step)
-
-    pivot = tau
-    step = tl.zeros_like(tau)
-    centre = tl.zeros_like(tau)
-    done = bad
-    pending = tl.sum((~done).to(tl.int32), axis=0)
-    while pending > 0:
-        total = tl.zeros([1], compute)
-        count = tl.zeros([1], compute)
-        smallest = tl.full([1], float("inf"), compute)
-        for start in range(0, n, CHUNK):
-            off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer,
-                                     x_stride_inner, x_stride_n, 1, GROUP, WIDTH, WIDE)
-            z = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
-            chunk = _step_sums(z - row_max[:, None, None], pivot + step, centre)
-            total, count, smallest = _add_add_min(total, count, smallest, *chunk)
-        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
-                                                   done)
-        pending = tl.sum((~done).to(tl.int32), axis=0)
-
-    for start in range(0, n, CHUNK):
-        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
-        z = tl.load(X + off, mask=mask, other=-float("inf")).to(compute) - row_max[:, None, None]
-        y = _sparsemax_tile(z, pivot, step, bad)
-        y_off, _ = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                y_stride_n, 1, GROUP, WIDTH, WIDE)
-        tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _split_chunk(pid, n_splits, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                  CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
     """Program pid's row, and the offsets and mask of its chunk as a [1, GROUP, WIDTH] tile."""
@@ -277,108 +231,200 @@ def _split_chunk(pid, n_splits, n_rows, n, inner, stride_outer, stride_inner, st
 
 
 @triton.jit
-def _split_state(STATE, row, index):
-    return tl.load(STATE + row * STATE_SIZE + index + tl.arange(0, 1))
+def _entry_offsets(row, cols, inner, stride_outer, stride_inner, stride_n, WIDE: tl.constexpr):
+    """Offsets of the entries `cols` (any shape) of row `row` of an [outer, n, inner] view."""
+    row64 = row.to(tl.int64)
+    base = (row64 // inner) * stride_outer + (row64 % inner) * stride_inner
+    if WIDE:
+        return base + cols.to(tl.int64) * stride_n
+    return base + cols * stride_n
+
+
+@triton.jit
+def _chunk_extent(PART, row, splits, n_splits, n, CHUNK: tl.constexpr):
+    """Per chunk `splits` of a row: its length, its candidates' count, whether they are stored
+    (in the output, as values then chunk-relative indices: room for both)."""
+    valid = splits < n_splits
+    length = tl.where(valid, tl.minimum(n - splits * CHUNK, CHUNK), 0)
+    count = tl.load(PART + (row * n_splits + splits) * PART_SIZE + PART_COUNT, mask=valid,
+                    other=0.0).to(tl.int32)
+    return length, count, 2 * count <= length
 
 
 @triton.jit
 def sparsemax_split_bounds_kernel(
-    X, PART, n_splits, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
+    X, Y, PART, n_splits, n_rows, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """Split pass 1: each chunk's max and the exact tau of the chunk alone (relative to that
-    max), a lower bound on the row's tau."""
-    pid = tl.program_id(0)
-    _, off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
-                                x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)
-    x = tl.load(X + off, mask=mask, other=-float("inf"))
-    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
-    group_max = _group_max(x)
-    chunk_max = _row_max(group_max)
-    pivot, step = _tile_threshold(x - chunk_max[:, None, None], group_max - chunk_max[:, None],
-                                  GROUP)
-    one = tl.arange(0, 1)
-    tl.store(PART + pid * PART_SIZE + one, chunk_max)
-    tl.store(PART + pid * PART_SIZE + 1 + one, pivot + step)
-
-
-@triton.jit
-def sparsemax_split_combine_kernel(PART, STATE, n_splits, SPLITS: tl.constexpr,
-                                   FIRST: tl.constexpr):
-    """One program per row. FIRST: the row's max and the best chunk bound start the Newton
-    state. Otherwise: one Newton step from the chunks' sums."""
-    row = tl.program_id(0)
-    splits = tl.arange(0, SPLITS)
-    part = PART + (row * n_splits + splits) * PART_SIZE
-    valid = splits < n_splits
-    state = STATE + row * STATE_SIZE
-    if FIRST:
-        chunk_max = tl.load(part, mask=valid, other=-float("inf"))
-        row_max = tl.reduce(chunk_max, 0, _nan_max)
-        # A chunk's tau in the row's coordinates; chunks with no finite entry bound nothing.
-        chunk_tau = (chunk_max - row_max) + tl.load(part + 1, mask=valid, other=0.0)
-        tau = tl.max(tl.where(chunk_max > -float("inf"), chunk_tau, -1.0), axis=0)
-        tl.store(state + STATE_MAX, row_max)
-        tl.store(state + STATE_PIVOT, tl.maximum(tau, -1.0))
-        tl.store(state + STATE_STEP, 0.0)
-        tl.store(state + STATE_CENTRE, 0.0)
-        tl.store(state + STATE_DONE, _is_bad(row_max).to(chunk_max.dtype))
-    else:
-        total = tl.sum(tl.load(part, mask=valid, other=0.0), axis=0)
-        count = tl.sum(tl.load(part + 1, mask=valid, other=0.0), axis=0)
-        smallest = tl.min(tl.load(part + 2, mask=valid, other=float("inf")), axis=0)
-        done = tl.load(state + STATE_DONE) != 0
-        pivot, step, centre, done = _newton_update(
-            total, count, smallest, tl.load(state + STATE_PIVOT), tl.load(state + STATE_STEP),
-            tl.load(state + STATE_CENTRE), done)
-        tl.store(state + STATE_PIVOT, pivot)
-        tl.store(state + STATE_STEP, step)
-        tl.store(state + STATE_CENTRE, centre)
-        tl.store(state + STATE_DONE, done.to(total.dtype))
-
-
-@triton.jit
-def sparsemax_split_sums_kernel(
-    X, PART, STATE, n_splits, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
-):
-    """A split Newton pass: each chunk's sums at its row's tau (nothing read for rows done)."""
+    """Split pass 1, one chunk per program: the chunk's max, the exact tau of its group maxima
+    (a lower bound on the row's tau relative to that max), and its candidates: the entries
+    above that bound, a superset of the chunk's part of the row's support. When they fill at
+    most half the chunk, they are stored in the output's chunk (values, then their indices as
+    INDEX bits), so that later passes need not read the chunk again."""
     pid = tl.program_id(0)
     row, off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
                                   x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)
-    done = _split_state(STATE, row, STATE_DONE) != 0
-    x = tl.load(X + off, mask=mask & ~done[:, None, None], other=-float("inf"))
-    z = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
-    z = z - _split_state(STATE, row, STATE_MAX)[:, None, None]
-    tau = _split_state(STATE, row, STATE_PIVOT) + _split_state(STATE, row, STATE_STEP)
-    total, count, smallest = _step_sums(z, tau, _split_state(STATE, row, STATE_CENTRE))
-    one = tl.arange(0, 1)
-    tl.store(PART + pid * PART_SIZE + one, total)
-    tl.store(PART + pid * PART_SIZE + 1 + one, count)
-    tl.store(PART + pid * PART_SIZE + 2 + one, smallest)
+    x_in = tl.load(X + off, mask=mask, other=-float("inf"))
+    x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
+    group_max = _group_max(x)
+    chunk_max = _row_max(group_max)
+    pivot, step = _newton_threshold(tl.expand_dims(group_max - chunk_max[:, None], 1),
+                                    tl.full([1], -1.0, x.dtype))
+    bound = pivot + step
+    # A margin of a few ulps: the later passes compare in the row's coordinates, rounded
+    # differently, and must never find a support entry that is not a candidate.
+    keep = (x - chunk_max[:, None, None]) > (bound - tl.abs(bound) * CANDIDATE_MARGIN)[:, None, None]
+    keep = keep.to(tl.int32)
+    column_count = tl.sum(keep, axis=1)  # inside each thread
+    count = tl.sum(column_count)
+    start = (pid % n_splits) * CHUNK
+    if 2 * count <= tl.minimum(n - start, CHUNK):
+        # Slots in (column, group) order: one scan across the threads, of the columns' counts;
+        # down a column (inside a thread) a running count.
+        column_start = tl.cumsum(column_count, axis=1) - column_count
+        slot = column_start[:, None, :] + tl.cumsum(keep, axis=1) - 1
+        index = tl.arange(0, GROUP)[:, None] * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
+        y_row = Y + _entry_offsets(row, start + slot, inner, y_stride_outer, y_stride_inner,
+                                   y_stride_n, WIDE)
+        tl.store(y_row, x_in.to(Y.dtype.element_ty), mask=keep != 0)
+        tl.store(y_row + count * y_stride_n,
+                 index[None, :, :].to(INDEX).to(Y.dtype.element_ty, bitcast=True),
+                 mask=keep != 0)
+    part = PART + pid * PART_SIZE
+    tl.store(part + PART_MAX, tl.reshape(chunk_max, []))
+    tl.store(part + PART_BOUND, tl.reshape(bound, []))
+    tl.store(part + PART_COUNT, count.to(chunk_max.dtype))
+
+
+@triton.jit
+def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
+                    x_stride_outer, x_stride_inner, x_stride_n,
+                    y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre,
+                    CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
+                    WIDE: tl.constexpr):
+    """`_step_sums` of a split row at tau [1] over its chunks' candidates (the stored ones; a
+    chunk that stored none is read whole), SPLITS chunks times WIDTH entries at a time."""
+    total = tl.zeros_like(tau)
+    count = tl.zeros_like(tau)
+    smallest = tl.full(tau.shape, float("inf"), tau.dtype)
+    for first in range(0, n_splits, SPLITS):
+        splits = first + tl.arange(0, SPLITS)
+        length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
+        width = tl.where(stored, stored_count, length)
+        for offset in range(0, tl.max(width, 0), WIDTH):
+            slot = offset + tl.arange(0, WIDTH)[None, :]
+            cols = splits[:, None] * CHUNK + slot
+            live = slot < width[:, None]
+            cand = tl.load(Y + _entry_offsets(row, cols, inner, y_stride_outer, y_stride_inner,
+                                              y_stride_n, WIDE),
+                           mask=live & stored[:, None], other=-float("inf"))
+            whole = tl.load(X + _entry_offsets(row, cols, inner, x_stride_outer, x_stride_inner,
+                                               x_stride_n, WIDE),
+                            mask=live & ~stored[:, None], other=-float("inf"))
+            z = tl.where(stored[:, None], cand.to(tau.dtype), whole.to(tau.dtype)) - row_max
+            sums = _step_sums(tl.expand_dims(z, 0), tau, centre)
+            total, count, smallest = _add_add_min(total, count, smallest, *sums)
+    return total, count, smallest
+
+
+@triton.jit
+def sparsemax_split_threshold_kernel(
+    X, Y, PART, STATE, n_splits, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
+):
+    """Split pass 2, one program per row: the row's max and exact tau, by Newton from the best
+    chunk bound over the chunks' candidates."""
+    row = tl.program_id(0)
+    compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    row_max = tl.full([1], -float("inf"), compute)
+    for first in range(0, n_splits, SPLITS):
+        splits = first + tl.arange(0, SPLITS)
+        part = PART + (row * n_splits + splits) * PART_SIZE
+        chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
+        row_max = _nan_max(row_max, tl.reduce(chunk_max, 0, _nan_max))
+    tau = tl.full([1], -1.0, compute)
+    for first in range(0, n_splits, SPLITS):
+        splits = first + tl.arange(0, SPLITS)
+        part = PART + (row * n_splits + splits) * PART_SIZE
+        chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
+        # A chunk's bound in the row's coordinates; chunks with no finite entry bound nothing.
+        chunk_tau = (chunk_max - row_max) + tl.load(part + PART_BOUND, mask=splits < n_splits,
+                                                    other=0.0)
+        tau = tl.maximum(tau, tl.max(tl.where(chunk_max > -float("inf"), chunk_tau, -1.0), 0))
+
+    pivot = tau
+    step = tl.zeros_like(tau)
+    centre = tl.zeros_like(tau)
+    done = _is_bad(row_max)
+    pending = tl.sum((~done).to(tl.int32), axis=0)
+    while pending > 0:
+        total, count, smallest = _candidate_sums(
+            X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+            y_stride_outer, y_stride_inner, y_stride_n, row_max, pivot + step, centre, CHUNK,
+            SPLITS, WIDTH, WIDE)
+        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
+                                                   done)
+        pending = tl.sum((~done).to(tl.int32), axis=0)
+    state = STATE + row * STATE_SIZE
+    tl.store(state + STATE_MAX, tl.reshape(row_max, []))
+    tl.store(state + STATE_PIVOT, tl.reshape(pivot, []))
+    tl.store(state + STATE_STEP, tl.reshape(step, []))
 
 
 @triton.jit
 def sparsemax_split_write_kernel(
-    X, Y, STATE, n_splits, n_rows, n, inner,
+    X, Y, PART, STATE, n_splits, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, SPARSE: tl.constexpr, INDEX: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
-    """The split rows' outputs, for the rows whose tau is final (the others are left to the
-    streamed fallback)."""
+    """Split pass 3, one chunk per program. A chunk that stored at most SPARSE candidates
+    writes zeros and then its candidates' outputs, reading nothing but them; the other chunks
+    are read again."""
     pid = tl.program_id(0)
-    row, x_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
-                                    x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)
-    _, y_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
-                               y_stride_inner, y_stride_n, CHUNK, GROUP, WIDE)
-    mask = mask & (_split_state(STATE, row, STATE_DONE) != 0)[:, None, None]
-    x = tl.load(X + x_off, mask=mask, other=-float("inf"))
-    row_max = _split_state(STATE, row, STATE_MAX)
-    z = x.to(row_max.dtype) - row_max[:, None, None]
-    y = _sparsemax_tile(z, _split_state(STATE, row, STATE_PIVOT),
-                        _split_state(STATE, row, STATE_STEP), _is_bad(row_max))
-    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+    row = pid // n_splits
+    state = STATE + row * STATE_SIZE
+    row_max = tl.load(state + STATE_MAX + tl.arange(0, 1))
+    pivot = tl.load(state + STATE_PIVOT + tl.arange(0, 1))
+    step = tl.load(state + STATE_STEP + tl.arange(0, 1))
+    bad = _is_bad(row_max)
+    split = pid % n_splits
+    count, stored = _chunk_extent(PART, row, split, n_splits, n, CHUNK)[1:]
+    if stored & (count <= SPARSE):
+        slot = tl.arange(0, SPARSE)
+        live = slot < count
+        cand_off = _entry_offsets(row, split * CHUNK + slot, inner, y_stride_outer,
+                                  y_stride_inner, y_stride_n, WIDE)
+        cand = tl.load(Y + cand_off, mask=live, other=-float("inf"))
+        index = tl.load(Y + cand_off + count * y_stride_n, mask=live, other=0.0)
+        index = index.to(INDEX, bitcast=True).to(tl.int32)
+        # The candidates are read from the chunk the zeros overwrite, and some outputs land
+        # where zeros were written: every thread's accesses must be done before the next step.
+        tl.debug_barrier()
+        y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                   y_stride_inner, y_stride_n, CHUNK, GROUP, WIDE)[1:]
+        zero = tl.where(bad, float("nan"), 0.0)[:, None, None] + tl.zeros(mask.shape, tl.float32)
+        tl.store(Y + y_off, zero.to(Y.dtype.element_ty), mask=mask)
+        tl.debug_barrier()
+        cand_z = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
+        cand_y = tl.reshape(_sparsemax_tile(cand_z, pivot, step, bad), [SPARSE])
+        tl.store(Y + _entry_offsets(row, split * CHUNK + index, inner, y_stride_outer,
+                                    y_stride_inner, y_stride_n, WIDE),
+                 cand_y.to(Y.dtype.element_ty), mask=live)
+    else:
+        x_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
+                                   x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)[1:]
+        y_off = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                             y_stride_n, CHUNK, GROUP, WIDE)[1]
+        x = tl.load(X + x_off, mask=mask, other=-float("inf"))
+        z = x.to(row_max.dtype) - row_max[:, None, None]
+        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad).to(Y.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
@@ -560,7 +606,7 @@ def _rows(x: torch.Tensor, out, dim: int, chunk):
 
 
 def _split_launch(n_rows: int, n: int, chunk: int, num_warps, x: torch.Tensor):
-    """(grid, n_splits, CHUNK, num_warps, partial results' scratch) of a split launch."""
+    """(grid, n_splits, CHUNK, num_warps, per-chunk scratch) of a split launch."""
     _, block_n, num_warps = launch_config(1, chunk, num_warps, 1, newton=True)
     n_splits = -(-n // block_n)
     part = torch.empty((n_rows * n_splits, PART_SIZE.value), device=x.device,
@@ -569,64 +615,50 @@ def _split_launch(n_rows: int, n: int, chunk: int, num_warps, x: torch.Tensor):
 
 
 def _split_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group, num_warps, wide,
-                   passes):
+                   sparse_write, threshold_tile):
+    entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
+    chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
+    if num_warps is None:
+        num_warps = max(1, min(warps, chunk // 256))
     grid, n_splits, block_n, num_warps, part = _split_launch(n_rows, n, chunk, num_warps, x)
     group = group_size(block_n, x.element_size(), num_warps, group)
     state = part.new_empty((n_rows, STATE_SIZE.value))
-    rows = (n_splits, n_rows, n, inner)
-    tile = dict(CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps)
-    combine = dict(SPLITS=_next_power_of_2(n_splits), num_warps=1)
-    sparsemax_split_bounds_kernel[grid](x, part, *rows, *x_strides, **tile)
-    sparsemax_split_combine_kernel[(n_rows,)](part, state, n_splits, FIRST=True, **combine)
-    for _ in range(passes):
-        sparsemax_split_sums_kernel[grid](x, part, state, *rows, *x_strides, **tile)
-        sparsemax_split_combine_kernel[(n_rows,)](part, state, n_splits, FIRST=False, **combine)
-    sparsemax_split_write_kernel[grid](x, y, state, *rows, *x_strides, *y_strides, **tile)
-    sparsemax_forward_streamed_kernel[(n_rows,)](x, y, state, *rows[1:], *x_strides,
-                                                   *y_strides, **tile)
-
-
-def _streamed_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group, num_warps,
-                      wide):
-    _, block_n, num_warps = launch_config(1, chunk, num_warps, 1, newton=True)
-    group = group_size(block_n, x.element_size(), num_warps, group)
-    open_rows = torch.zeros((n_rows, STATE_SIZE.value), device=x.device)  # done = 0: every row
-    sparsemax_forward_streamed_kernel[(n_rows,)](
-        x, y, open_rows, n_rows, n, inner, *x_strides, *y_strides,
-        CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps)
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the Triton interpreter: tests choose the path with `split=`
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = INDEX_TYPE[y.element_size()]
+    splits = min(_next_power_of_2(n_splits), threshold_tile)
+    sparsemax_split_bounds_kernel[grid](
+        x, y, part, n_splits, n_rows, n, inner, *x_strides, *y_strides,
+        CHUNK=block_n, GROUP=group, INDEX=index, WIDE=wide, num_warps=num_warps)
+    sparsemax_split_threshold_kernel[(n_rows,)](
+        x, y, part, state, n_splits, n, inner, *x_strides, *y_strides,
+        CHUNK=block_n, SPLITS=splits, WIDTH=max(1, min(threshold_tile // splits, block_n // 2)),
+        WIDE=wide, num_warps=max(1, min(16, threshold_tile // 1024)))
+    sparsemax_split_write_kernel[grid](
+        x, y, part, state, n_splits, n_rows, n, inner, *x_strides, *y_strides,
+        CHUNK=block_n, GROUP=group, SPARSE=_next_power_of_2(sparse_write), INDEX=index,
+        WIDE=wide, num_warps=num_warps)
 
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, chunk=None, split=None, split_passes=None) -> torch.Tensor:
-    """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
+                      block_m=None, chunk=None, sparse_write=None,
+                      threshold_tile=None) -> torch.Tensor:
+    """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
+    overlapping x).
 
-    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed by one program
-    each, or, when `split` (default: fewer rows than SPLIT_ROWS_PER_SM per multiprocessor),
-    split into chunks of that size, one program each: a pass for the chunks' bounds, up to
-    `split_passes` Newton passes (default SPLIT_NEWTON_PASSES), a writing pass, and the
-    streamed kernel for the rows still open. The other keyword arguments override the launch
-    heuristics (benchmarks, tests).
+    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks of that
+    size (at most SPLIT_LAUNCH's), in three passes: the chunks' bounds and candidates, each
+    row's tau from them, the outputs.
+    `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
+    reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile. The
+    other keyword arguments override the launch heuristics (benchmarks, tests).
     """
     if x.numel() == 0:
         return x.new_empty(x.shape) if out is None else out
     y, x, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
-        if split is None:
-            split = n_rows < SPLIT_ROWS_PER_SM * _multiprocessors(x.device)
-        if split:
-            _split_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group,
-                           num_warps, wide,
-                           SPLIT_NEWTON_PASSES if split_passes is None else split_passes)
-        else:
-            _streamed_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group,
-                              num_warps, wide)
+        _split_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group, num_warps,
+                       wide, SPARSE_WRITE if sparse_write is None else sparse_write,
+                       THRESHOLD_TILE if threshold_tile is None else threshold_tile)
         return y
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton=True)
     group = group_size(block_n, x.element_size(), num_warps, group)
