@@ -194,17 +194,30 @@ def bisection_safeguard_is_exact(rank, world):
 @case(*INTERPRETED)
 def triton_kernels_under_the_interpreter(rank, world):
     """The CUDA path's local work (Triton, run by the interpreter on CPU tensors) in the
-    distributed loop, with chunks of 8 so that rows span several programs."""
+    distributed loop, with chunks of 8 or 4 so that rows span several programs: rows of ties
+    whose chunks store no candidates, NaN/+inf/-inf rows, a rank without features, a strided
+    slice, chunks re-read by the write (sparse_write=1), group maxima, the row pass's tile
+    across chunks (threshold_tile=2)."""
     from flashmax.kernels import distributed as kernels
 
-    x = adversarial_rows(19, torch.float32)[[0, 3, 6, 7, 10, 12, 14]]
+    rows = [0, 3, 5, 6, 7, 10, 12, 13, 14, 15]
+    x = adversarial_rows(19, torch.float32)[rows]
     xt = make_input((2, 19, 3), 1, torch.float32, seed=3, kind="near_max")
-    for data, widths, cap in ((x, [1, 18], None), (x, [11, 8], 0), (xt, [0, 19], None)):
+    runs = ((x, [1, 18], None, dict(chunk=8)),
+            (x, [11, 8], 0, dict(chunk=8, group=2, sparse_write=1)),
+            (x, [19, 0], None, dict(chunk=4, threshold_tile=2)),
+            (xt, [0, 19], None, dict(chunk=8)),
+            (adversarial_rows(19, torch.bfloat16)[rows], [9, 10], None, dict(chunk=8)),
+            (adversarial_rows(19, torch.float64)[rows], [9, 10], None, dict(chunk=4)))
+    for data, widths, cap, launch in runs:
         x_local = my_slice(data, 1, widths)
-        local = kernels.TritonShard(x_local, 1, chunk=8)
+        local = kernels.TritonShard(x_local, 1, **launch)
         y_local, _ = distributed.sharded_forward(
             x_local, 1, distributed.Collectives(WORLD), data.shape[1], local=local, cap=cap)
-        check_against_oracle(whole(y_local, 1), data, 1)
+        try:
+            check_against_oracle(whole(y_local, 1), data, 1)
+        except AssertionError as error:
+            raise AssertionError(f"{data.dtype} widths={widths} {launch}: {error}") from None
 
 
 @case("gloo-2", "nccl-2")
@@ -408,11 +421,35 @@ def test_step_caps():
     assert distributed.max_steps(1024, torch.float32) == 11 + 10 + 23 + 2  # eps = 2^-23
 
 
+def _poison_stored_chunks(shard, dim: int) -> int:
+    """NaN over the chunks of the kernels' own input whose candidates are stored (and few
+    enough to be written from the output alone): passes after the first must not read them.
+    Returns how many."""
+    from flashmax.kernels.sparsemax import PART_COUNT
+
+    split = shard.split
+    x = split.x.movedim(dim, -1)
+    counts = shard._part(PART_COUNT).cpu()
+    poisoned = 0
+    for row, chunk in (counts <= split.sparse).nonzero().tolist():
+        start = chunk * split.chunk
+        length = min(split.n - start, split.chunk)
+        if 2 * counts[row, chunk] <= length:
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(row), x.shape[:-1]))
+            x[index][start:start + length] = math.nan
+            poisoned += 1
+    return poisoned
+
+
+@pytest.mark.parametrize("launch", [dict(chunk=8), dict(chunk=8, group=2, sparse_write=1),
+                                    dict(chunk=4, threshold_tile=2)],
+                         ids=["chunks", "group-maxima-rereading", "row-tile-across-chunks"])
 @pytest.mark.parametrize("dim", [0, 1, 2])
-def test_triton_local_work_matches_torch(dim):
+def test_triton_local_work_matches_torch(dim, launch):
     """Each local pass of the CUDA path (Triton: under the interpreter, or compiled with
-    FLASHMAX_TEST_DEVICE=cuda) against the torch path, on a strided view with NaN, +inf and
-    -inf rows, in chunks of 8."""
+    FLASHMAX_TEST_DEVICE=cuda) against the torch path, on a strided view with NaN, +inf, -inf
+    and tied rows and a good row with a whole chunk of -inf; the input of the chunks whose
+    candidates are stored is poisoned after the first pass, which alone may read it."""
     from flashmax.kernels import distributed as kernels
 
     def on(t):
@@ -424,16 +461,20 @@ def test_triton_local_work_matches_torch(dim):
     dim = 2 - dim
     rows = x.movedim(dim, -1)
     rows[0, 0, 3], rows[1, 1, 0], rows[0, 1] = math.nan, math.inf, -math.inf
-    on_torch, on_triton = distributed.TorchShard(x, dim), kernels.TritonShard(on(x), dim, chunk=8)
+    rows[1, 0], rows[2, 0, :8] = 2.5, -math.inf
+    on_torch = distributed.TorchShard(x, dim)
+    on_triton = kernels.TritonShard(on(x.clone()), dim, **launch)
     row_max = on_torch.row_max()
     assert_bitwise_equal(on_triton.row_max().cpu(), row_max, "row max")
+    assert _poison_stored_chunks(on_triton, dim) > 0
     row_max = torch.where(row_max.isnan(), math.inf, row_max)
     good = torch.isfinite(row_max)
     bound = on_torch.bound(row_max)
     chunk_bound = on_triton.bound(on(row_max)).cpu()
-    # The exact tau of the slice (3 chunks of 8) bounds the exact tau of each chunk.
+    # The exact tau of the slice (several chunks) bounds the tau of each chunk's group maxima.
     assert bool((chunk_bound[good] <= bound[good] + 1e-7).all())
-    taus = torch.stack([bound, bound - 0.3]).clamp_min(-1).masked_fill(~good, math.nan)
+    # Points at or above the slice's tau, as the driver's are (the candidates hold no less).
+    taus = torch.stack([bound, bound / 2]).clamp_min(-1).masked_fill(~good, math.nan)
     centre = torch.full_like(bound, 0.2)
     torch.testing.assert_close(on_triton.sums(on(row_max), on(taus), on(centre)).cpu()[..., good],
                                on_torch.sums(row_max, taus, centre)[..., good], rtol=1e-6,

@@ -8,8 +8,8 @@ ranks, never the features:
    disagree (rows, dtype, dim, gradient) all raise the same ValueError instead of hanging;
 2. an all-reduce MAX of the rows' local maxima: z = x - max, tau in [-1, 0), as on one device;
 3. an all-reduce MAX of each rank's lower bound on tau, the exact tau of its own slice (CPU) or
-   of its best chunk (CUDA, found in the same pass as the maxima): the tau of any subset of a
-   row is <= the row's tau;
+   the tau of its best chunk's group maxima (CUDA, found in the same pass as the maxima): the
+   tau of any subset of a row is <= the row's tau;
 4. Newton steps from that bound, one collective each for all rows: an all_gather of each
    rank's (sum, count, smallest) of z - tau over z > tau, reduced in rank order on every rank.
    The smallest lets a step be recognised final without another pass (as on one device), and
@@ -23,8 +23,9 @@ from its lower end is exact. So the answer stays exact, and the number of steps 
 the floating-point resolution of tau (|tau| >= 1 / width): `max_steps`.
 
 The local work is pure torch on CPU tensors and Triton kernels on CUDA tensors
-(`flashmax.kernels.distributed`). Each step needs the reduced results on the host to decide
-whether to go on: one device-to-host sync per step on NCCL.
+(`flashmax.kernels.distributed`: the single-device split passes, which read the slice once and
+then only the candidates above each chunk's bound). Each step needs the reduced results on the
+host to decide whether to go on: one device-to-host sync per step on NCCL.
 """
 
 import math

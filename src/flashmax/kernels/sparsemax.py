@@ -21,7 +21,9 @@ bound, which hold the chunk's part of the support; few of them (a chunk's suppor
 next to the chunk) are stored, with their indices, in the output's own chunk. Pass 2, one
 program per row, finds the exact tau by Newton over the candidates alone. Pass 3 writes zeros
 and the candidates' outputs. A long row is thus read once and written once, like a copy;
-chunks whose candidates do not fit (rows of ties) are read again by passes 2 and 3.
+chunks whose candidates do not fit (rows of ties) are read again by passes 2 and 3. A rank's
+slice of rows split across ranks (`flashmax.distributed`) runs the same passes, but its Newton
+steps are taken across ranks, each a launch of the sums kernel over the candidates.
 """
 
 import torch
@@ -376,6 +378,36 @@ def sparsemax_split_threshold_kernel(
 
 
 @triton.jit
+def sparsemax_split_sums_kernel(
+    X, Y, PART, ROW_MAX, TAUS, CENTRE, STATS, n_splits, n_rows, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
+):
+    """Pass 2 of a row split across ranks (`flashmax.distributed`), one program per row and
+    point: STATS[point, (sum, count, smallest), row] of d = z - tau over d > 0 at
+    tau = TAUS[point, row] (NaN: a finished row, not read), over the row's candidates. The sum
+    is that of d - CENTRE[row] plus count * centre in float64 (see _step_sums)."""
+    row, point = tl.program_id(0), tl.program_id(1)
+    tau = tl.load(TAUS + point * n_rows + row)
+    centre = tl.load(CENTRE + row + tl.arange(0, 1))
+    total = tl.zeros_like(centre)
+    count = tl.zeros_like(centre)
+    smallest = tl.full(centre.shape, float("inf"), centre.dtype)
+    if tau == tau:
+        row_max = tl.load(ROW_MAX + row + tl.arange(0, 1))
+        total, count, smallest = _candidate_sums(
+            X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+            y_stride_outer, y_stride_inner, y_stride_n, row_max, tau + tl.zeros_like(centre),
+            centre, CHUNK, SPLITS, WIDTH, WIDE)
+    count = count.to(tl.float64)
+    out = STATS + point * 3 * n_rows + row + tl.arange(0, 1)
+    tl.store(out, total.to(tl.float64) + count * centre.to(tl.float64))
+    tl.store(out + n_rows, count)
+    tl.store(out + 2 * n_rows, smallest.to(tl.float64))
+
+
+@triton.jit
 def sparsemax_split_write_kernel(
     X, Y, PART, STATE, n_splits, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
@@ -614,28 +646,61 @@ def _split_launch(n_rows: int, n: int, chunk: int, num_warps, x: torch.Tensor):
     return (n_rows * n_splits,), n_splits, block_n, num_warps, part
 
 
-def _split_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group, num_warps, wide,
-                   sparse_write, threshold_tile):
-    entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
-    chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
-    if num_warps is None:
-        num_warps = max(1, min(warps, chunk // 256))
-    grid, n_splits, block_n, num_warps, part = _split_launch(n_rows, n, chunk, num_warps, x)
-    group = group_size(block_n, x.element_size(), num_warps, group)
-    state = part.new_empty((n_rows, STATE_SIZE.value))
-    index = INDEX_TYPE[y.element_size()]
-    splits = min(_next_power_of_2(n_splits), threshold_tile)
-    sparsemax_split_bounds_kernel[grid](
-        x, y, part, n_splits, n_rows, n, inner, *x_strides, *y_strides,
-        CHUNK=block_n, GROUP=group, INDEX=index, WIDE=wide, num_warps=num_warps)
-    sparsemax_split_threshold_kernel[(n_rows,)](
-        x, y, part, state, n_splits, n, inner, *x_strides, *y_strides,
-        CHUNK=block_n, SPLITS=splits, WIDTH=max(1, min(threshold_tile // splits, block_n // 2)),
-        WIDE=wide, num_warps=max(1, min(16, threshold_tile // 1024)))
-    sparsemax_split_write_kernel[grid](
-        x, y, part, state, n_splits, n_rows, n, inner, *x_strides, *y_strides,
-        CHUNK=block_n, GROUP=group, SPARSE=_next_power_of_2(sparse_write), INDEX=index,
-        WIDE=wide, num_warps=num_warps)
+class SplitRows:
+    """The three split passes over rows of x into y, with their launch choices made once:
+    `sparsemax_forward`'s long rows, and a rank's slice in `flashmax.kernels.distributed`
+    (which runs Newton across ranks, one `sums` per step, in place of `threshold`).
+    The keyword arguments override the launch heuristics (benchmarks, tests)."""
+
+    def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
+                 num_warps=None, sparse_write=None, threshold_tile=None):
+        entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
+        chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
+        if num_warps is None:
+            num_warps = max(1, min(warps, chunk // 256))
+        self.grid, self.n_splits, self.chunk, self.num_warps, self.part = _split_launch(
+            n_rows, n, chunk, num_warps, x)
+        self.x, self.y, self.n_rows, self.n, self.inner = x, y, n_rows, n, inner
+        self.strides = (*x_strides, *y_strides)
+        self.tile = dict(CHUNK=self.chunk, GROUP=group_size(self.chunk, x.element_size(),
+                                                            self.num_warps, group),
+                         INDEX=INDEX_TYPE[y.element_size()], WIDE=wide, num_warps=self.num_warps)
+        self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
+        tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
+        splits = min(_next_power_of_2(self.n_splits), tile)
+        self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits,
+                             WIDTH=max(1, min(tile // splits, self.chunk // 2)), WIDE=wide,
+                             num_warps=max(1, min(16, tile // 1024)))
+
+    def bounds(self):
+        """Pass 1: PART (per chunk: max, bound, candidates), and the candidates stored in y."""
+        sparsemax_split_bounds_kernel[self.grid](
+            self.x, self.y, self.part, self.n_splits, self.n_rows, self.n, self.inner,
+            *self.strides, **self.tile)
+
+    def threshold(self) -> torch.Tensor:
+        """Pass 2: STATE [rows, STATE_SIZE], each row's max and exact (pivot, step)."""
+        state = self.part.new_empty((self.n_rows, STATE_SIZE.value))
+        sparsemax_split_threshold_kernel[(self.n_rows,)](
+            self.x, self.y, self.part, state, self.n_splits, self.n, self.inner, *self.strides,
+            **self.row_pass)
+        return state
+
+    def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
+        """[points, 3, rows] float64: one Newton step's (sum, count, smallest) of each row at
+        each point's tau (`taus` [points, rows], each at or above the row's chunk bounds)."""
+        stats = torch.empty((taus.shape[0], 3, self.n_rows), dtype=torch.float64,
+                            device=taus.device)
+        sparsemax_split_sums_kernel[(self.n_rows, taus.shape[0])](
+            self.x, self.y, self.part, row_max, taus.contiguous(), centre, stats, self.n_splits,
+            self.n_rows, self.n, self.inner, *self.strides, **self.row_pass)
+        return stats
+
+    def write(self, state: torch.Tensor):
+        """Pass 3: y from STATE [rows, STATE_SIZE]."""
+        sparsemax_split_write_kernel[self.grid](
+            self.x, self.y, self.part, state, self.n_splits, self.n_rows, self.n, self.inner,
+            *self.strides, SPARSE=self.sparse, **self.tile)
 
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
@@ -656,9 +721,10 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     y, x, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
-        _split_forward(x, y, n_rows, n, inner, x_strides, y_strides, chunk, group, num_warps,
-                       wide, SPARSE_WRITE if sparse_write is None else sparse_write,
-                       THRESHOLD_TILE if threshold_tile is None else threshold_tile)
+        split = SplitRows(x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
+                          num_warps, sparse_write, threshold_tile)
+        split.bounds()
+        split.write(split.threshold())
         return y
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton=True)
     group = group_size(block_n, x.element_size(), num_warps, group)
