@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparsemax import (PART_BOUND, PART_MAX, PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE,
+from .sparsemax import (PART_MAX, PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE,
                         STATE_STEP, SplitRows, _backward_tile, _row_offsets, _rows, _strided,
                         _support_sums, _wide, launch_config, rows_view)
 
@@ -45,14 +45,16 @@ class TritonShard:
         return self._part(PART_MAX).amax(-1)
 
     def bound(self, row_max: torch.Tensor) -> torch.Tensor:
-        """The best chunk bound in the whole rows' coordinates (-inf for no finite entry): the tau
-        of a subset of the row, so a lower bound on the row's tau. The candidates' margin
-        (CANDIDATE_MARGIN) covers the rounding of (chunk max - row max) + bound."""
+        """The exact tau of this slice in the whole rows' coordinates (-inf for no finite entry):
+        the tau of a subset of the row, so a lower bound on the row's tau, found by the row pass
+        over the candidates alone (no read of the slice). Tighter than the best chunk's bound:
+        fewer Newton steps, each a collective."""
         if self.split is None:
             return torch.full_like(row_max, -torch.inf)
-        maxima = self._part(PART_MAX)
-        taus = (maxima - row_max.unsqueeze(-1)) + self._part(PART_BOUND)
-        return torch.where(maxima.isfinite(), taus, -torch.inf).amax(-1)
+        state = self.split.threshold()
+        local_max = state[:, STATE_MAX.value]
+        taus = (local_max - row_max) + (state[:, STATE_PIVOT.value] + state[:, STATE_STEP.value])
+        return torch.where(local_max.isfinite(), taus, -torch.inf)
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """As TorchShard.sums, over the candidates: exact at points at or above every chunk's
