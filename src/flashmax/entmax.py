@@ -2,14 +2,15 @@
 
 The same structure as `flashmax.sparsemax`: CUDA tensors run the Triton kernels in
 `flashmax.kernels.entmax`, every other tensor the exact pure-torch `flashmax.reference_entmax`;
-eager CUDA calls skip the dispatcher through `_EagerEntmax15`, torch.compile sees the custom op.
+eager CUDA calls skip the dispatcher through `_EagerEntmax15` (`sparsemax.eager_function`),
+torch.compile sees the custom op.
 """
 
 import torch
 from torch import nn
 
 from . import reference_entmax as reference
-from .sparsemax import check_input, compute_dtype, register_output_autograd
+from .sparsemax import check_input, compute_dtype, eager_function, register_output_autograd
 
 from .kernels import load as load_kernels
 
@@ -82,20 +83,9 @@ def _double_backward(ctx, grad_dx):
 _entmax15_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
 
 
-class _EagerEntmax15(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        y = kernels.entmax15_forward(x, dim)
-        ctx.save_for_backward(y)
-        ctx.dim = dim
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (y,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the op keeps the gradient differentiable
-            return _entmax15_backward_op(y, grad, ctx.dim), None
-        return kernels.entmax15_backward(y, grad, ctx.dim), None
+_EagerEntmax15 = None if kernels is None else eager_function(
+    "_EagerEntmax15", kernels.entmax15_forward, kernels.entmax15_backward,
+    _entmax15_backward_op)
 
 
 def entmax15(x: torch.Tensor, dim: int = -1, k=None) -> torch.Tensor:

@@ -6,7 +6,8 @@ Results are always contiguous tensors of the input's shape, so fake and real lay
 
 Eager calls on CUDA skip the custom-op dispatcher, whose Python layers cost about as much host
 time as a small kernel takes on the GPU, through `_EagerSparsemax`, a thin autograd.Function
-over the same kernels (bit-identical results); torch.compile always sees the custom op.
+over the same kernels (bit-identical results; `eager_function`); torch.compile always sees the
+custom op.
 """
 
 import torch
@@ -111,20 +112,31 @@ def _double_backward(ctx, grad_dx):
 _sparsemax_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
 
 
-class _EagerSparsemax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        y = kernels.sparsemax_forward(x, dim)
+def eager_function(name: str, forward, backward, backward_op) -> type:
+    """An autograd.Function `name` over a pair of kernel launchers, forward(x, dim) -> y and
+    backward(y, grad, dim) -> dx, for eager CUDA calls; with create_graph the gradient is
+    backward_op (the custom op, itself differentiable) instead."""
+
+    def forward_fn(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        y = forward(x, dim)
         ctx.save_for_backward(y)
         ctx.dim = dim
         return y
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward_fn(ctx, grad: torch.Tensor):
         (y,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the op keeps the gradient differentiable
-            return _sparsemax_backward_op(y, grad, ctx.dim), None
-        return kernels.sparsemax_backward(y, grad, ctx.dim), None
+            return backward_op(y, grad, ctx.dim), None
+        return backward(y, grad, ctx.dim), None
+
+    # type() rather than a class statement: the function and its backward node keep `name`.
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward_fn), "backward": staticmethod(backward_fn)})
+
+
+_EagerSparsemax = None if kernels is None else eager_function(
+    "_EagerSparsemax", kernels.sparsemax_forward, kernels.sparsemax_backward,
+    _sparsemax_backward_op)
 
 
 def sparsemax(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Tensor:

@@ -4,10 +4,11 @@ The layout, launch heuristics and strided [outer, n, inner] views are sparsemax'
 `flashmax.kernels.sparsemax`). In z = (x - max) / 2 the threshold tau lies in [-1, 0) and is the
 root of sum(max(z - t, 0)^2) = 1. Newton from a lower bound (on the convex, decreasing
 F(t) = ||max(z - t, 0)||_2 - 1) rises monotonically but only converges, so it serves to find
-the support: each step's
-fused reduction (sum, sum of squares, count, smallest of d = z - tau over d > 0) also gives the
-set's closed-form tau (the smaller root of a quadratic), which is final when every entry of the
-set stays above it. The lower bound is the exact tau of the group maxima, as for sparsemax.
+the support: each step's fused reduction (centred sums of d and d^2, count, smallest of
+d = z - tau over d > 0) also gives the set's closed-form tau (the smaller root of a quadratic),
+which is final when every entry of the set stays above it. The lower bound is the exact tau of
+the group maxima, as for sparsemax. The sums are in the compute dtype, fp32 for fp32/fp16/bf16
+(`_entmax_sums` says why that is exact enough).
 
 The same threshold also drives the fused losses (`loss_kernel`): the forward reads x once and
 writes one loss per row; the backward reads x again and writes p - onehot(target), recomputing
@@ -24,6 +25,12 @@ from .sparsemax import (_add_add, _group_max, _is_bad, _nan_max, _row_offsets, _
 
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
+# A closed form is final only from sums that drifted little: |sum(d^2 - centre)| sqrt(count) at
+# most this. Terms whose mean is not near 0 (a centre made for another count, a tau far from the
+# root) pile up in the partial sums, whose roundings then grow with the sum and the count (about
+# u |sum| sqrt(count) / 6 summed in sequence, as the interpreter does). The closed form is then
+# only a step, and the next one is centred on its count.
+MAX_DRIFT = tl.constexpr(4.0)
 
 
 @triton.jit
@@ -32,47 +39,58 @@ def _add4_min(s1_a, s2_a, count_a, min_a, s1_b, s2_b, count_b, min_b):
 
 
 @triton.jit
-def _entmax_sums(z, tau, WIDE_SUM: tl.constexpr):
-    """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d > 0, sum of their squares,
-    their count, their smallest) per row. The sums of small terms d, in fp64 with WIDE_SUM: the step
-    divides by sum of squares - 1, with the sum close to 1."""
+def _entmax_sums(z, tau, centre):
+    """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d - c, sum of d^2 - a,
+    count, smallest d) over d > 0, per row, with a = centre and c = sqrt(a).
+
+    A step rests on s2 - 1, s2 = sum of d^2 close to 1 near the root (its absolute error becomes
+    about the outputs' relative error), and on s1 = sum of d (relative error only). With
+    a = 1 / (the previous count), s2 - 1 = sum(d^2 - a) + (count a - 1) and s1 = sum(d - c) +
+    count c. Near the root of a nearly tied row every d is close to 1 / sqrt(count): the terms
+    are nearly zero and their compute-dtype sums nearly exact, with no widening to fp64 (1/64 of
+    the fp32 rate on an H200). Each d^2 - a is one fma, rounded once relative to itself;
+    `_entmax_update` adds the corrections back. Axis 1 lies inside a thread, so it goes first.
+    """
     d = z - tau[:, None, None]
     support = d > 0
-    positive = tl.maximum(d, 0.0)
-    # Axis 1 lies inside a thread: its partial sums in the compute dtype first (at most GROUP - 1
-    # roundings), widened once per group rather than per entry (conversions run at 1/8 rate).
-    s1, s2, count, smallest = tl.reduce((positive, positive * positive, support.to(z.dtype),
-                                         tl.where(support, d, float("inf"))), 1, _add4_min)
-    if WIDE_SUM:
-        s1 = s1.to(tl.float64)
-        s2 = s2.to(tl.float64)
+    centre = centre[:, None, None]
+    s1, s2, count, smallest = tl.reduce(
+        (tl.where(support, d - tl.sqrt(centre), 0.0), tl.where(support, tl.fma(d, d, -centre), 0.0),
+         support.to(z.dtype), tl.where(support, d, float("inf"))), 1, _add4_min)
     return tl.reduce((s1, s2, count, smallest), 1, _add4_min)
 
 
 @triton.jit
-def _entmax_update(s1, s2, count, smallest, pivot, step, done):
-    """Advance (pivot, step, done) from the sums at tau = pivot + step.
+def _entmax_update(s1, s2, count, smallest, pivot, step, centre, done):
+    """Advance (pivot, step, centre, done) from the centred sums (`_entmax_sums`) at
+    tau = pivot + step.
 
     The set's closed form, the smaller root delta of count d^2 - 2 s1 d + s2 - 1 (written
-    without cancellation), is final when every entry of the set stays above it and it is small
-    (a large one came from d rounded to ~|tau| ulps: refined once more). Otherwise a Newton
-    step on the convex norm form F(t) = sqrt(s2(t)) - 1 (a lower bound; see
-    `reference_entmax.entmax15_threshold`); one too small to move tau ends the search as well.
+    without cancellation), is the set's exact tau when every entry of the set stays above it,
+    taken if it is also small (a large one came from d rounded to ~|tau| ulps: refined once
+    more), and final if the sums drifted little as well. Otherwise a Newton step on the convex
+    norm form F(t) = sqrt(s2(t)) - 1 (a lower bound; see `reference_entmax.entmax15_threshold`);
+    one too small to move tau ends the search as well.
     """
     tau = pivot + step
     has_support = count > 0
-    excess = s2 - 1.0
+    drift = tl.abs(s2) * tl.sqrt(count)
+    # The centring undone: the fma's products are exact, count centre - 1 is rounded relative
+    # to itself (small once the count settles), and s1 needs only relative accuracy.
+    excess = s2 + tl.fma(count, centre, -1.0)
+    s1 = tl.fma(count, tl.sqrt(centre), s1)
     disc = s1 * s1 - count * excess
-    closed = (excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))).to(pivot.dtype)
-    root = tl.sqrt(s2)
-    newton = (root * excess / ((root + 1.0) * s1)).to(pivot.dtype)
-    final = (disc >= 0) & (smallest >= closed) & (tl.abs(closed) <= tl.abs(tau + closed))
+    closed = excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))
+    root = tl.sqrt(excess + 1.0)
+    newton = root * excess / ((root + 1.0) * s1)
+    exact = (disc >= 0) & (smallest >= closed) & (tl.abs(closed) <= tl.abs(tau + closed))
     stuck = (tau + newton) == tau
-    new_step = tl.where(has_support, tl.where(final, closed, newton), 0.0)
+    new_step = tl.where(has_support, tl.where(exact, closed, newton), 0.0)
     pivot = tl.where(done, pivot, tau)
     step = tl.where(done, step, new_step)
-    done = done | final | stuck | ~has_support
-    return pivot, step, done
+    centre = tl.where(has_support, 1.0 / count, centre)
+    done = done | (exact & (drift <= MAX_DRIFT)) | stuck | ~has_support
+    return pivot, step, centre, done
 
 
 @triton.jit
@@ -81,31 +99,39 @@ def _pending(done, steps):
 
 
 @triton.jit
-def _entmax_threshold(z, tau, WIDE_SUM: tl.constexpr):
+def _entmax_threshold(z, tau, centre):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
-    allowed) from lower bounds tau [BLOCK_M]."""
+    allowed) from lower bounds tau [BLOCK_M], and the last step's centre (`_entmax_sums`)."""
     pivot = tau
     step = tl.zeros_like(tau)
     done = tau != tau
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
-        s1, s2, count, smallest = _entmax_sums(z, pivot + step, WIDE_SUM)
-        pivot, step, done = _entmax_update(s1, s2, count, smallest, pivot, step, done)
+        s1, s2, count, smallest = _entmax_sums(z, pivot + step, centre)
+        pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step, centre,
+                                                   done)
         steps += 1
         pending = _pending(done, steps)
-    return pivot, step
+    return pivot, step, centre
 
 
 @triton.jit
-def _entmax_tile_threshold(z, GROUP: tl.constexpr, WIDE_SUM: tl.constexpr):
-    """Exact threshold of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0, starting from
-    the exact tau of its group maxima (down axis 1, inside each thread)."""
+def _entmax_tile_threshold(z, GROUP: tl.constexpr):
+    """Exact threshold (pivot, step) and centre of each row of a [BLOCK_M, GROUP, WIDTH] tile of
+    z <= 0, starting from the exact tau of its group maxima (down axis 1, inside each thread).
+
+    The row's first step is centred on the group maxima's count: at their tau their squares
+    average 1 / that count, and so do the row's when its support is about theirs (few large
+    entries share a group) or when the row is nearly tied, so that this step can be final
+    (MAX_DRIFT)."""
     tau = tl.full([z.shape[0]], -1.0, z.dtype)
+    centre = tl.zeros_like(tau)
     if GROUP > 1:
-        pivot, step = _entmax_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau, False)
+        pivot, step, centre = _entmax_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau,
+                                                centre)
         tau = pivot + step
-    return _entmax_threshold(z, tau, WIDE_SUM)
+    return _entmax_threshold(z, tau, centre)
 
 
 @triton.jit
@@ -128,7 +154,7 @@ def entmax15_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """BLOCK_M whole rows per program, held in registers: one read, one write."""
     block = tl.program_id(0)
@@ -139,7 +165,7 @@ def entmax15_forward_kernel(
     x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
     row_max = _tile_max(x)
     z = (x - row_max[:, None, None]) * 0.5
-    pivot, step = _entmax_tile_threshold(z, GROUP, WIDE_SUM)
+    pivot, step, _ = _entmax_tile_threshold(z, GROUP)
     y = _entmax_tile(z, pivot, step, _is_bad(row_max))
     y_off, _ = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
                             y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
@@ -151,7 +177,7 @@ def entmax15_forward_streamed_kernel(
     X, Y, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr, WIDE_SUM: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One row per program, streamed CHUNK entries at a time: a pass for the max, a pass for
     the best chunk's exact tau (a lower bound on the row's), a pass per step, a pass that
@@ -168,11 +194,15 @@ def entmax15_forward_streamed_kernel(
     bad = _is_bad(row_max)
 
     tau = tl.full([1], -1.0, compute)
+    centre = tl.zeros([1], compute)
     for start in range(0, n, CHUNK):
         off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
                                  x_stride_n, 1, GROUP, WIDTH, WIDE)
-        pivot, step = _entmax_tile_threshold(_load_z(X, off, mask, row_max), GROUP, False)
-        tau = tl.maximum(tau, pivot + step)
+        pivot, step, chunk_centre = _entmax_tile_threshold(_load_z(X, off, mask, row_max), GROUP)
+        # The best chunk's centre as well, for the reason the group maxima's serves a tile.
+        better = pivot + step > tau
+        tau = tl.where(better, pivot + step, tau)
+        centre = tl.where(better, chunk_centre, centre)
 
     pivot = tau
     step = tl.zeros_like(tau)
@@ -180,16 +210,17 @@ def entmax15_forward_streamed_kernel(
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
-        s1 = tl.zeros([1], tl.float64 if WIDE_SUM else compute)
-        s2 = tl.zeros([1], tl.float64 if WIDE_SUM else compute)
+        s1 = tl.zeros([1], compute)
+        s2 = tl.zeros([1], compute)
         count = tl.zeros([1], compute)
         smallest = tl.full([1], float("inf"), compute)
         for start in range(0, n, CHUNK):
             off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer,
                                      x_stride_inner, x_stride_n, 1, GROUP, WIDTH, WIDE)
-            chunk = _entmax_sums(_load_z(X, off, mask, row_max), pivot + step, WIDE_SUM)
+            chunk = _entmax_sums(_load_z(X, off, mask, row_max), pivot + step, centre)
             s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *chunk)
-        pivot, step, done = _entmax_update(s1, s2, count, smallest, pivot, step, done)
+        pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step, centre,
+                                                   done)
         steps += 1
         pending = _pending(done, steps)
 
@@ -306,7 +337,7 @@ def loss_kernel(
     z = x - row_max[:, None, None]
     if ENTMAX15:
         z = z * 0.5  # entmax-1.5's coordinates; one tile live, not two
-        pivot, step = _entmax_tile_threshold(z, GROUP, True)
+        pivot, step, _ = _entmax_tile_threshold(z, GROUP)
         t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
         p = t * t
     else:
@@ -342,8 +373,7 @@ def loss_kernel(
         tl.store(OUT + rows, loss.to(OUT.dtype.element_ty), mask=rows < n_rows)
 
 
-def _launch(forward_kernel, streamed_kernel, x, dim, out, group, num_warps, block_m, wide_sum,
-            chunk):
+def _launch(forward_kernel, streamed_kernel, x, dim, out, group, num_warps, block_m, chunk):
     if x.numel() == 0:
         return x.new_empty(x.shape) if out is None else out
     y, x, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
@@ -353,28 +383,27 @@ def _launch(forward_kernel, streamed_kernel, x, dim, out, group, num_warps, bloc
         group = group_size(block_n, x.element_size(), num_warps, group)
         streamed_kernel[(n_rows,)](
             x, y, n_rows, n, inner, *x_strides, *y_strides,
-            CHUNK=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum, num_warps=num_warps,
+            CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps,
         )
         return y
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     group = group_size(block_n, x.element_size(), num_warps, group)
     forward_kernel[(-(-n_rows // block_m),)](
         x, y, n_rows, n, inner, *x_strides, *y_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide, WIDE_SUM=wide_sum,
-        num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide, num_warps=num_warps,
     )
     return y
 
 
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                     block_m=None, wide_sum=True, chunk=None) -> torch.Tensor:
+                     block_m=None, chunk=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks. The
     other keyword arguments override the launch heuristics (for benchmarks and tests).
     """
     return _launch(entmax15_forward_kernel, entmax15_forward_streamed_kernel, x, dim, out,
-                   group, num_warps, block_m, wide_sum, chunk)
+                   group, num_warps, block_m, chunk)
 
 
 def entmax15_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
