@@ -5,19 +5,16 @@ The forward is the split passes of `flashmax.kernels.sparsemax` over the slice, 
 allocated up front: pass 1 reads the slice once (per chunk: max, a lower bound on tau, and the
 candidates, stored in the output's chunk when they fit); each Newton step, taken across ranks,
 reads only the candidates (and chunks that stored none); the write reads nothing else again.
-The backward cuts each row into chunks, one program per (row, chunk), whose partial sums torch
-reduces over the chunks, so that a long row spreads over the whole GPU.
+The backward is the split backward of `flashmax.kernels.sparsemax` (per-chunk support sums,
+then dx), with the rows' sums all-reduced across ranks in between.
 """
 
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from .sparsemax import (PART_MAX, PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE,
-                        STATE_STEP, SplitRows, _backward_tile, _row_offsets, _rows, _strided,
-                        _support_sums, _wide, launch_config, rows_view)
+from .sparsemax import (PART_MAX, PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP,
+                        SplitBackward, SplitRows, _rows, _wide)
 
 
 class TritonShard:
@@ -74,92 +71,24 @@ class TritonShard:
         return self.y
 
 
-# Entries per program of the backward: several programs per row keep every SM busy on few rows.
-CHUNK = {torch.float64: 4096}
-DEFAULT_CHUNK = 8192
-
-
-@triton.jit
-def _chunk_y_g(Yp, G, row, chunk, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
-               g_stride_outer, g_stride_inner, g_stride_n, CHUNK: tl.constexpr,
-               WIDE: tl.constexpr):
-    """y and grad over one chunk of a row as [1, 1, CHUNK] tiles in the compute dtype."""
-    y_off, mask = _row_offsets(row, chunk * CHUNK, n_rows, n, inner, y_stride_outer,
-                               y_stride_inner, y_stride_n, 1, 1, CHUNK, WIDE)
-    g_off, _ = _row_offsets(row, chunk * CHUNK, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                            g_stride_n, 1, 1, CHUNK, WIDE)
-    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
-    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
-    return y, g, mask
-
-
-@triton.jit
-def shard_support_sums_kernel(Yp, G, SUMS, n_rows, n, inner,
-                              y_stride_outer, y_stride_inner, y_stride_n,
-                              g_stride_outer, g_stride_inner, g_stride_n,
-                              CHUNK: tl.constexpr, WIDE: tl.constexpr):
-    """SUMS[(sum of grad, count), row, chunk] over the support y > 0."""
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    y, g, _ = _chunk_y_g(Yp, G, row, chunk, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                         y_stride_n, g_stride_outer, g_stride_inner, g_stride_n, CHUNK, WIDE)
-    total, count = _support_sums(y, g)
-    n_chunks = tl.num_programs(1)
-    out = SUMS + row.to(tl.int64) * n_chunks + chunk + tl.arange(0, 1)
-    tl.store(out, total.to(tl.float64))
-    tl.store(out + tl.num_programs(0).to(tl.int64) * n_chunks, count.to(tl.float64))
-
-
-@triton.jit
-def shard_backward_kernel(Yp, G, MEAN, DX, n_rows, n, inner,
-                          y_stride_outer, y_stride_inner, y_stride_n,
-                          g_stride_outer, g_stride_inner, g_stride_n,
-                          dx_stride_outer, dx_stride_inner, dx_stride_n,
-                          CHUNK: tl.constexpr, WIDE: tl.constexpr):
-    """dx = s * (g - mean) over one chunk of a row, the mean over the whole row's support."""
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    y, g, mask = _chunk_y_g(Yp, G, row, chunk, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                            y_stride_n, g_stride_outer, g_stride_inner, g_stride_n, CHUNK, WIDE)
-    mean = tl.load(MEAN + row + tl.arange(0, 1)).to(y.dtype)
-    dx_off, _ = _row_offsets(row, chunk * CHUNK, n_rows, n, inner, dx_stride_outer,
-                             dx_stride_inner, dx_stride_n, 1, 1, CHUNK, WIDE)
-    tl.store(DX + dx_off, _backward_tile(y, g, mean).to(DX.dtype.element_ty), mask=mask)
-
-
-def _chunking(n: int, dtype: torch.dtype, chunk=None):
-    """(grid's chunks per row, CHUNK, num_warps) for rows of n entries."""
-    chunk = CHUNK.get(dtype, DEFAULT_CHUNK) if chunk is None else chunk
-    _, block_n, num_warps = launch_config(1, min(n, chunk), None, 1)
-    return -(-n // block_n), block_n, num_warps
-
-
-def _backward_rows(y, grad, dim, chunk):
-    """y and grad with [outer, n, inner] views, and the launch set-up of the backward kernels."""
-    y, (outer, inner, y_strides) = _strided(y, dim)
-    grad, (_, _, g_strides) = _strided(grad, dim)
-    n = y.shape[dim]
-    n_chunks, chunk, num_warps = _chunking(max(n, 1), y.dtype, chunk)
-    wide = _wide(n, y_strides[2], g_strides[2], math.prod(y.shape[dim + 1:]))  # dx contiguous
-    launch = dict(CHUNK=chunk, WIDE=wide, num_warps=num_warps)
-    view = (outer * inner, n, inner, *y_strides, *g_strides)
-    return y, grad, (outer * inner, n_chunks), view, launch
-
-
 def support_sums(y: torch.Tensor, grad: torch.Tensor, dim: int, chunk=None) -> torch.Tensor:
     """[2, rows] float64: sum of grad and count over the support y > 0 of each row."""
-    y, grad, grid, view, launch = _backward_rows(y, grad, dim, chunk)
-    sums = torch.zeros((2, *grid), dtype=torch.float64, device=y.device)
-    if y.numel():
-        shard_support_sums_kernel[grid](y, grad, sums, *view, **launch)
-    return sums.sum(-1)
+    if not y.numel():
+        rows = math.prod(y.shape[:dim] + y.shape[dim + 1:])
+        return torch.zeros((2, rows), dtype=torch.float64, device=y.device)
+    split = SplitBackward(y, grad, dim, chunk=chunk)
+    part = split.sums().view(split.n_rows, split.n_splits, PART_SIZE.value)
+    return part[..., :2].double().sum(1).T.contiguous()
 
 
 def backward_write(y: torch.Tensor, grad: torch.Tensor, mean: torch.Tensor, dim: int,
                    chunk=None) -> torch.Tensor:
     """dx = s * (g - mean) with each row's mean over the whole row's support."""
-    dx = y.new_empty(y.shape)
-    y, grad, grid, view, launch = _backward_rows(y, grad, dim, chunk)
-    if y.numel():
-        _, _, dx_strides = rows_view(dx, dim)
-        shard_backward_kernel[grid](y, grad, mean.contiguous(), dx, *view, *dx_strides, **launch)
-    return dx
+    if not y.numel():
+        return y.new_empty(y.shape)
+    split = SplitBackward(y, grad, dim, chunk=chunk)
+    # Each row's sums as one partial result: (mean, count 1).
+    part = torch.zeros((split.n_rows, PART_SIZE.value), dtype=split.part.dtype, device=y.device)
+    part[:, 0] = mean
+    part[:, 1] = 1
+    return split.write(part, 1)

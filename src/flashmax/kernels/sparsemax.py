@@ -525,14 +525,14 @@ def sparsemax_split_backward_sums_kernel(
 
 @triton.jit
 def sparsemax_split_backward_kernel(
-    Yp, G, DX, PART, n_splits, n_rows, n, inner,
+    Yp, G, DX, PART, part_splits, n_splits, n_rows, n, inner,
     y_stride_outer, y_stride_inner, y_stride_n,
     g_stride_outer, g_stride_inner, g_stride_n,
     dx_stride_outer, dx_stride_inner, dx_stride_n,
     SPLITS: tl.constexpr, CHUNK: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """Split backward pass 2: every program adds up its row's chunk sums (the same sum in the
-    same order in each) and writes its chunk of dx."""
+    """Split backward pass 2: every program adds up its row's part_splits partial sums in PART
+    (the same sum in the same order in each) and writes its chunk of dx."""
     pid = tl.program_id(0)
     row, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
                                     y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
@@ -541,8 +541,8 @@ def sparsemax_split_backward_kernel(
     _, dx_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, dx_stride_outer,
                                 dx_stride_inner, dx_stride_n, CHUNK, 1, WIDE)
     splits = tl.arange(0, SPLITS)
-    part = PART + (row * n_splits + splits) * PART_SIZE
-    valid = splits < n_splits
+    part = PART + (row * part_splits + splits) * PART_SIZE
+    valid = splits < part_splits
     total = tl.sum(tl.load(part, mask=valid, other=0.0), axis=0)
     count = tl.sum(tl.load(part + 1, mask=valid, other=0.0), axis=0)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
@@ -736,24 +736,49 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     return y
 
 
+class SplitBackward:
+    """The backward of split rows into dx: the support's sums per chunk, then dx from each row's
+    sums; `sparsemax_backward`'s long rows, and a rank's slice in `flashmax.kernels.distributed`
+    (whose rows' sums are all-reduced across ranks in between). `out`, `chunk` and `num_warps`
+    as in `sparsemax_backward`."""
+
+    def __init__(self, y, grad, dim, out=None, chunk=None, num_warps=None):
+        self.dx, y, self.n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
+        grad, (_, _, g_strides) = _strided(grad, dim)
+        self.grid, self.n_splits, block_n, num_warps, self.part = _split_launch(
+            self.n_rows, n, min(chunk, n), num_warps, y)
+        self.tensors = (y, grad)
+        self.rows = (self.n_splits, self.n_rows, n, inner)
+        self.strides = (*y_strides, *g_strides)
+        self.dx_strides = dx_strides
+        self.tile = dict(CHUNK=block_n, WIDE=_wide(n, y_strides[2], g_strides[2], dx_strides[2]),
+                         num_warps=num_warps)
+
+    def sums(self) -> torch.Tensor:
+        """PART [rows * chunks, PART_SIZE]: each chunk's (sum of grad, count) over y > 0."""
+        sparsemax_split_backward_sums_kernel[self.grid](*self.tensors, self.part, *self.rows,
+                                                        *self.strides, **self.tile)
+        return self.part
+
+    def write(self, part: torch.Tensor, part_splits: int) -> torch.Tensor:
+        """dx, each row's support sums being the sum of its part_splits entries of `part`."""
+        sparsemax_split_backward_kernel[self.grid](
+            *self.tensors, self.dx, part, part_splits, *self.rows, *self.strides,
+            *self.dx_strides, SPLITS=_next_power_of_2(part_splits), **self.tile)
+        return self.dx
+
+
 def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
                        block_m=None, chunk=None) -> torch.Tensor:
     """Launch the backward kernel into `out`, as `sparsemax_forward` does."""
     if y.numel() == 0:
         return y.new_empty(y.shape) if out is None else out
+    if y.shape[dim] > (max_block_n(y.dtype) if chunk is None else chunk):
+        split = SplitBackward(y, grad, dim, out, chunk, num_warps)
+        return split.write(split.sums(), split.n_splits)
     dx, y, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
     grad, (_, _, g_strides) = _strided(grad, dim)
     wide = _wide(n, y_strides[2], g_strides[2], dx_strides[2])
-    if n > chunk:
-        grid, n_splits, block_n, num_warps, part = _split_launch(n_rows, n, chunk, num_warps, y)
-        rows = (n_splits, n_rows, n, inner)
-        tile = dict(CHUNK=block_n, WIDE=wide, num_warps=num_warps)
-        sparsemax_split_backward_sums_kernel[grid](y, grad, part, *rows, *y_strides, *g_strides,
-                                                   **tile)
-        sparsemax_split_backward_kernel[grid](y, grad, dx, part, *rows, *y_strides, *g_strides,
-                                              *dx_strides, SPLITS=_next_power_of_2(n_splits),
-                                              **tile)
-        return dx
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     sparsemax_backward_kernel[(-(-n_rows // block_m),)](
         y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides,
