@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparsemax import (_add_add, _group_max, _is_bad, _nan_max, _row_offsets, _rows, _strided,
-                        _tile_max, _tile_threshold, _wide, group_size, launch_config, max_block_n)
+from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _nan_max, _row_offsets, _rows,
+                        _strided, _tile_max, _tile_threshold, _wide, group_size, launch_config,
+                        max_block_n)
 
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
@@ -245,22 +246,6 @@ def _weighted_sums(y, g):
 def _backward_tile(y, g, q):
     s = tl.sqrt(y)
     return s * g - q[:, None, None] * s
-
-
-@triton.jit
-def _load_y_g(Yp, G, block, start, n_rows, n, inner,
-              y_stride_outer, y_stride_inner, y_stride_n,
-              g_stride_outer, g_stride_inner, g_stride_n,
-              BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr):
-    """Entries start ... start + WIDTH of BLOCK_M rows of y and g, in the compute dtype."""
-    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
-    y_off, mask = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE)
-    g_off, _ = _row_offsets(block, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE)
-    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
-    return y, g, mask
 
 
 @triton.jit

@@ -19,8 +19,8 @@ for the max, one per step, one that writes.
 import triton
 import triton.language as tl
 
-from .sparsemax import (_add_add, _is_bad, _nan_max, _row_offsets, _rows, _strided, _tile_max,
-                        _wide, group_size, launch_config, rows_view)
+from .sparsemax import (_add_add, _is_bad, _load_y_g, _nan_max, _row_offsets, _rows, _strided,
+                        _tile_max, _wide, group_size, launch_config, rows_view)
 from ..reference_bisect import TOLERANCE_ULPS
 
 _TOLERANCE_ULPS = tl.constexpr(TOLERANCE_ULPS)  # jit functions read only constexpr globals
@@ -249,21 +249,6 @@ def _alpha_gradient(alpha, s_total, gs_total, gy_total, gylny_total, ylny_total)
     am1 = alpha - 1
     d_alpha = (gy_total - q) / (am1 * am1) - (gylny_total - q * ylny_total) / am1
     return tl.where(has_support, q, 0.0), tl.where(has_support, d_alpha, 0.0)
-
-
-@triton.jit
-def _load_y_g(Yp, G, block, start, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
-              g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M: tl.constexpr,
-              WIDTH: tl.constexpr, WIDE: tl.constexpr):
-    """y and g (in y's compute dtype) at entries start ... start + WIDTH of BLOCK_M rows, and
-    the mask."""
-    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
-    y_off, mask = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE)
-    g_off, _ = _row_offsets(block, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE)
-    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-    return y, tl.load(G + g_off, mask=mask, other=0.0).to(compute), mask
 
 
 @triton.jit

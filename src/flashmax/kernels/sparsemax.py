@@ -473,6 +473,23 @@ def _support_sums(y, g):
 
 
 @triton.jit
+def _load_y_g(Yp, G, block, start, n_rows, n, inner,
+              y_stride_outer, y_stride_inner, y_stride_n,
+              g_stride_outer, g_stride_inner, g_stride_n,
+              BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr):
+    """Entries start ... start + WIDTH of BLOCK_M rows of y and g as [BLOCK_M, 1, WIDTH] tiles
+    in y's compute dtype, and the mask."""
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    y_off, mask = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+    g_off, _ = _row_offsets(block, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
+                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    return y, g, mask
+
+
+@triton.jit
 def _backward_tile(y, g, mean):
     return tl.where(y > 0, g - mean[:, None, None], 0.0)
 
