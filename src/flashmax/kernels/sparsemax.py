@@ -61,7 +61,7 @@ SPARSE_WRITE = 1024
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk).
 THRESHOLD_TILE = 4096
 # Bits of a stored candidate's index, per output dtype.
-INDEX_TYPE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+INDEX_TYPE = {2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 @triton.jit
