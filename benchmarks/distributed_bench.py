@@ -222,6 +222,7 @@ def _process(args, local_rank, **init):
         record = run(args, dist.group.WORLD)
         if record:
             print(_table(record), flush=True)
+        dist.barrier()  # no rank tears gloo down while another still uses it
     finally:
         dist.destroy_process_group()
 
