@@ -44,6 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--world", type=int, default=2,
                         help="processes to start when not run under torchrun")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--profile", action="store_true",
+                        help="print the split forward's kernels and GPU busy time (rank 0)")
     parser.add_argument("--quick", action="store_true",
                         help="CPU and gloo, small and few: checks that it runs")
     args = parser.parse_args(argv)
@@ -95,6 +97,32 @@ def _replay(trace, device, group):
     return op
 
 
+def _profile(op, device, group, rank, calls=3):
+    """Rank 0 prints each GPU kernel's time per call and the GPU's busy time against the wall
+    time: whether the split call waits on its kernels or on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    dist.barrier(group)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(calls):
+            op()
+        _sync(device)
+        wall = (time.perf_counter() - start) / calls
+    if rank:
+        return
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name[:60], []).append(event.device_time)
+    busy = sum(sum(t) for t in kernels.values()) / calls
+    print(f"profile (rank 0, {calls} calls): wall {wall * 1e6:.0f} us/call, GPU busy "
+          f"{busy:.0f} us/call", flush=True)
+    for name, t in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {sum(t) / calls:9.1f} us/call  x{len(t) / calls:4.1f}  {name}", flush=True)
+
+
 def _triton_version():
     try:
         import triton
@@ -142,6 +170,8 @@ def run(args, group) -> dict:
         lambda: distributed.sharded_backward(y_local, g_local, 1, distributed.Collectives(group)),
         device, args.reps, group)
     comm_fwd = _wall_times(_replay(comm.trace, device, group), device, args.reps, group)
+    if args.profile:
+        _profile(lambda: flashmax.sparsemax(x_local, -1, group=group), device, group, rank)
 
     max_diff = torch.tensor([(y_local.float() - y_ref.float()).abs().max().item()
                              if y_local.numel() else 0.0], device=device)

@@ -490,3 +490,38 @@ def test_triton_local_work_matches_torch(dim, launch):
     mean = sums[0] / sums[1]
     torch.testing.assert_close(kernels.backward_write(on(y), on(g), on(mean), dim, chunk=8).cpu(),
                                distributed.torch_backward_write(y, g, mean, dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("points,bisect_next", [(1, False), (1, True), (2, True)])
+def test_triton_newton_update_matches_torch(points, bisect_next, dtype):
+    """The CUDA path's one-launch Newton update against the torch ops it replaces, bit for bit,
+    on three ranks' sums with done rows, rows whose midpoint is above or below tau, a row
+    whose bracket is closed, and more rows than one program holds."""
+    from flashmax.kernels import distributed as kernels
+
+    rows, world = 1030, 3
+    generator = torch.Generator().manual_seed(points)
+    total = torch.rand((world, points, rows), generator=generator, dtype=torch.float64) * 1.5
+    count = torch.randint(0, 50, (world, points, rows), generator=generator).double()
+    smallest = torch.rand((world, points, rows), generator=generator, dtype=torch.float64) / 40
+    everyone = torch.stack([total, count, smallest], 2)
+    everyone[:, :, 1, :2] = 0  # rows with an empty support at a point
+    pivot = -torch.rand(rows, generator=generator, dtype=torch.float64).to(dtype)
+    step = torch.rand(rows, generator=generator, dtype=torch.float64).to(dtype) / 100
+    hi = torch.where(torch.arange(rows) % 5 == 0, 0.0, pivot + 2 * step).to(dtype)
+    done = torch.rand(rows, generator=generator) < 0.2
+    # A row whose bracket is closed, but whose Newton step alone would not end it.
+    hi[7], done[7] = pivot[7] + step[7], False
+    everyone[:, :, :, 7] = torch.tensor([1.0, 5.0, 0.0], dtype=torch.float64)
+    assert bool((~done).any() & done.any())
+    now = distributed.next_points(pivot, step, hi, done, points == 2)
+    on_torch = distributed.TorchShard.advance(everyone, now, pivot, step, done, hi, bisect_next)
+    state = [t.clone().to(KERNEL_DEVICE) for t in (pivot, step, done, hi)]
+    on_triton = kernels.TritonShard.advance(everyone.to(KERNEL_DEVICE), now.to(KERNEL_DEVICE),
+                                            *state, bisect_next)
+    names = ("pivot", "step", "done", "hi", "centre", "next points")
+    for name, expected, got in zip(names, on_torch, on_triton):
+        assert_bitwise_equal(got.cpu(), expected, name)
+    if points == 2:
+        assert bool(on_torch[2][7]), "no float between tau and hi: the row ends"

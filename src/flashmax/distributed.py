@@ -24,8 +24,10 @@ the floating-point resolution of tau (|tau| >= 1 / width): `max_steps`.
 
 The local work is pure torch on CPU tensors and Triton kernels on CUDA tensors
 (`flashmax.kernels.distributed`: the single-device split passes, which read the slice once and
-then only the candidates above each chunk's bound). Each step needs the reduced results on the
-host to decide whether to go on: one device-to-host sync per step on NCCL.
+then only the candidates above each chunk's bound; each step's update is one small kernel).
+Whether to go on is decided on the host, from the rows' "done" flags; on CUDA the host reads a
+step's flags only after queueing the next `lookahead` steps, so that it never leaves the device
+idle for a round trip (a step queued after the last repeats the answer, unchanged).
 """
 
 import math
@@ -76,14 +78,6 @@ class Collectives:
         out = t.new_empty((self.world, *t.shape))
         dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
         return out
-
-    def step_sums(self, stats: torch.Tensor) -> torch.Tensor:
-        """Every rank's [..., 3, rows] (sum, count, smallest), summed and min-ed in rank order:
-        the same computation on the same numbers on every rank, so identical results."""
-        everyone = self.all_gather(stats)
-        sums = everyone[:, ..., :2, :].sum(0)
-        smallest = everyone[:, ..., 2:, :].amin(0)
-        return torch.cat([sums, smallest], -2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,6 +154,10 @@ class TorchShard:
     """One rank's slice as (rows, width) in the compute dtype; the same interface as
     `flashmax.kernels.distributed.TritonShard`."""
 
+    # Newton steps queued before the driver reads whether an earlier one finished every row:
+    # none here, where reading costs no device synchronisation.
+    lookahead = 0
+
     def __init__(self, x: torch.Tensor, dim: int):
         self.x, self.dim = x, dim
         self.ctype = compute_dtype(x.dtype)
@@ -194,6 +192,15 @@ class TorchShard:
         total = total.double() + count.double() * centre.double()
         return torch.stack([total, count.double(), smallest.double()], 1)
 
+    @staticmethod
+    def advance(everyone, points, pivot, step, done, hi, bisect_next):
+        """One Newton step's update from every rank's sums (`everyone` [world, points, 3,
+        rows], in rank order): (pivot, step, done, hi, centre, the next step's points)."""
+        stats = _reduce_ranks(everyone)
+        pivot, step, done, hi = _advance(stats, points, pivot, step, done, hi)
+        centre = torch.where(stats[0, 1] > 0, 1 / stats[0, 1], 0).to(pivot.dtype)
+        return pivot, step, done, hi, centre, next_points(pivot, step, hi, done, bisect_next)
+
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         y = self.z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
         y.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), torch.nan)
@@ -226,6 +233,39 @@ def _local_work(x: torch.Tensor, dim: int):
 # ----------------------------------------------------------------------------------------------
 # The sharded forward and backward
 # ----------------------------------------------------------------------------------------------
+
+
+def next_points(pivot, step, hi, done, bisect):
+    """[points, rows]: a step's tau = pivot + step, and with `bisect` the midpoint of [tau, hi]
+    too; NaN for finished rows."""
+    tau = pivot + step
+    points = [tau, tau + (hi - tau) / 2] if bisect else [tau]
+    return torch.stack(points).masked_fill_(done, torch.nan)
+
+
+def _reduce_ranks(everyone):
+    """Every rank's [world, points, 3, rows] (sum, count, smallest), summed and min-ed in rank
+    order: the same computation on the same numbers on every rank, so identical results."""
+    sums = everyone[:, :, :2].sum(0)
+    smallest = everyone[:, :, 2:].amin(0)
+    return torch.cat([sums, smallest], 1)
+
+
+def _all_done(done):
+    """A function that says whether every row is done, reading `done` as of now in stream
+    order; on CUDA it waits for that point of the stream only, not for later work."""
+    flag = done.all()
+    if not flag.is_cuda:
+        return lambda: bool(flag)
+    host = torch.empty((), dtype=torch.bool, pin_memory=True).copy_(flag, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+
+    def read():
+        ready.synchronize()
+        return bool(host)
+
+    return read
 
 
 def _advance(stats, points, pivot, step, done, hi):
@@ -264,14 +304,18 @@ def sharded_forward(x, dim, comm: Collectives, width: int, local=None, cap=None)
     hi = torch.zeros_like(bound)
     centre = torch.zeros_like(bound)  # 1 / the last count: see TorchShard.sums
     cap = newton_cap(width) if cap is None else cap
+    points = next_points(pivot, step, hi, done, cap <= 0)
+    # Each queued step's "every row done", read local.lookahead steps later, so that the host
+    # queues the next steps while the device works (a step after the last only repeats it).
+    finished = [_all_done(done)]
     steps = 0
-    while steps < max_steps(width, bound.dtype) and not bool(done.all()):
-        tau = pivot + step
-        points = [tau] if steps < cap else [tau, tau + (hi - tau) / 2]
-        points = torch.stack(points).masked_fill_(done, torch.nan)
-        stats = comm.step_sums(local.sums(row_max, points, centre))
-        centre = torch.where(stats[0, 1] > 0, 1 / stats[0, 1], 0).to(centre.dtype)
-        pivot, step, done, hi = _advance(stats, points, pivot, step, done, hi)
+    while steps < max_steps(width, bound.dtype):
+        if len(finished) > local.lookahead and finished.pop(0)():
+            break
+        everyone = comm.all_gather(local.sums(row_max, points, centre))
+        pivot, step, done, hi, centre, points = local.advance(
+            everyone, points, pivot, step, done, hi, steps + 1 >= cap)
+        finished.append(_all_done(done))
         steps += 1
     return local.write(row_max, pivot, step), steps
 

@@ -12,14 +12,93 @@ then dx), with the rows' sums all-reduced across ranks in between.
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from .sparsemax import (PART_MAX, PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP,
                         SplitBackward, SplitRows, _rows, _wide)
 
 
+STEP_ROWS = 1024  # rows per program of the Newton update
+
+
+@triton.jit
+def _rank_sums(EVERYONE, point, rows, mask, n_rows, world, POINTS: tl.constexpr):
+    """One point's (sum, count, smallest) over every rank's [world, POINTS, 3, rows] sums, in
+    rank order: the same numbers in the same order on every rank."""
+    total = tl.zeros(rows.shape, tl.float64)
+    count = tl.zeros(rows.shape, tl.float64)
+    smallest = tl.full(rows.shape, float("inf"), tl.float64)
+    for rank in range(world):
+        at = EVERYONE + (rank * POINTS + point) * 3 * n_rows + rows
+        total += tl.load(at, mask=mask, other=0.0)
+        count += tl.load(at + n_rows, mask=mask, other=0.0)
+        smallest = tl.minimum(smallest, tl.load(at + 2 * n_rows, mask=mask, other=0.0))
+    return total, count, smallest
+
+
+@triton.jit
+def _newton_step(total, count, smallest, tau):
+    """Newton's step from tau (sums of z - tau over z > tau) and whether it is final: the
+    support held, and the step is small next to tau (else refine once more), as
+    `flashmax.reference.newton_update` decides."""
+    step = ((total - 1) / count).to(tau.dtype)
+    final = (smallest > step.to(tl.float64)) & (tl.abs(step) <= tl.abs(tau + step))
+    return step, final
+
+
+@triton.jit
+def shard_newton_step_kernel(
+    EVERYONE, POINTS, PIVOT, STEP, DONE, HI, CENTRE, NEXT_POINTS, n_rows, world,
+    POINTS_NOW: tl.constexpr, BISECT_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """`flashmax.distributed`'s update after one step, in place: the torch ops of
+    `TorchShard.advance` in one launch. Rows at the cap also evaluated the midpoint of
+    [tau, HI]: it narrows the bracket, may give a better Newton start, and ends the row once no
+    float is left between tau and it."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < n_rows
+    pivot = tl.load(PIVOT + rows, mask=mask, other=0.0)
+    step = tl.load(STEP + rows, mask=mask, other=0.0)
+    hi = tl.load(HI + rows, mask=mask, other=0.0)
+    done = tl.load(DONE + rows, mask=mask, other=1) != 0
+    tau = pivot + step
+    total, count, smallest = _rank_sums(EVERYONE, 0, rows, mask, n_rows, world, POINTS_NOW)
+    new_step, final = _newton_step(total, count, smallest, tau)
+    new_pivot = tl.where(done, pivot, tau)
+    new_step = tl.where(done, step, new_step)
+    new_done = done | final
+    if POINTS_NOW == 2:
+        mid = tl.load(POINTS + n_rows + rows, mask=mask, other=0.0)
+        mid_total, mid_count, mid_smallest = _rank_sums(EVERYONE, 1, rows, mask, n_rows, world,
+                                                        POINTS_NOW)
+        below = mid_total >= 1  # f(mid) >= 0: a lower bound
+        hi = tl.where(below | done, hi, mid)
+        mid_step, mid_final = _newton_step(mid_total, mid_count, mid_smallest, mid)
+        better = below & ~done & (mid + mid_step > new_pivot + new_step)
+        new_pivot = tl.where(better, mid, new_pivot)
+        new_step = tl.where(better, mid_step, new_step)
+        new_done = tl.where(better, mid_final, new_done) | ~(mid > tau)
+    tl.store(PIVOT + rows, new_pivot, mask=mask)
+    tl.store(STEP + rows, new_step, mask=mask)
+    tl.store(HI + rows, hi, mask=mask)
+    tl.store(DONE + rows, new_done, mask=mask)
+    tl.store(CENTRE + rows, tl.where(count > 0, 1 / count, 0).to(pivot.dtype), mask=mask)
+    next_tau = new_pivot + new_step
+    tl.store(NEXT_POINTS + rows, tl.where(new_done, float("nan"), next_tau), mask=mask)
+    if BISECT_NEXT:
+        next_mid = next_tau + (hi - next_tau) / 2
+        tl.store(NEXT_POINTS + n_rows + rows, tl.where(new_done, float("nan"), next_mid),
+                 mask=mask)
+
+
 class TritonShard:
     """One rank's slice, read once; the interface of `flashmax.distributed.TorchShard`.
     `chunk` and the other keyword arguments override the split launch (tests)."""
+
+    # Newton steps queued before the driver reads whether an earlier one finished every row:
+    # a step is a few short launches, and reading a flag waits for the device to get there.
+    lookahead = 2
 
     def __init__(self, x: torch.Tensor, dim: int, chunk=None, **launch):
         self.y, x, self.n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, None, dim, chunk)
@@ -61,6 +140,17 @@ class TritonShard:
                                device=taus.device)
             return torch.cat([zero, zero, zero + torch.inf], 1)
         return self.split.sums(row_max, taus, centre)
+
+    @staticmethod
+    def advance(everyone, points, pivot, step, done, hi, bisect_next):
+        """As TorchShard.advance, in one launch that updates pivot, step, done and hi in place."""
+        n_rows = pivot.shape[0]
+        centre = torch.empty_like(pivot)
+        following = pivot.new_empty((2 if bisect_next else 1, n_rows))
+        shard_newton_step_kernel[(triton.cdiv(n_rows, STEP_ROWS),)](
+            everyone, points, pivot, step, done, hi, centre, following, n_rows, everyone.shape[0],
+            POINTS_NOW=points.shape[0], BISECT_NEXT=bisect_next, BLOCK=STEP_ROWS)
+        return pivot, step, done, hi, centre, following
 
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor):
         if self.split is not None:
