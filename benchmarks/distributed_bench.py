@@ -44,6 +44,9 @@ def parse_args(argv=None):
     parser.add_argument("--world", type=int, default=2,
                         help="processes to start when not run under torchrun")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--lookaheads", type=int, nargs="*", default=[],
+                        help="also time the split forward with these Newton steps queued ahead "
+                             "of the host's check (CUDA)")
     parser.add_argument("--profile", action="store_true",
                         help="print the split forward's kernels and GPU busy time (rank 0)")
     parser.add_argument("--quick", action="store_true",
@@ -123,6 +126,32 @@ def _profile(op, device, group, rank, calls=3):
         print(f"  {sum(t) / calls:9.1f} us/call  x{len(t) / calls:4.1f}  {name}", flush=True)
 
 
+def _step_rates(x_local, device, group, rank, steps=20):
+    """Rank 0 prints the host's and the device's time per Newton step, from steps queued
+    back to back with no flag read: which of the two bounds the loop."""
+    local = distributed._local_work(x_local, 1)
+    comm = distributed.Collectives(group)
+    row_max = comm.all_reduce(local.row_max(), dist.ReduceOp.MAX)
+    pivot = comm.all_reduce(local.bound(row_max), dist.ReduceOp.MAX)
+    step, hi, centre = (torch.zeros_like(pivot) for _ in range(3))
+    done = ~torch.isfinite(row_max)
+    points = distributed.next_points(pivot, step, hi, done, False)
+    _sync(device)
+    dist.barrier(group)
+    start = time.perf_counter()
+    for _ in range(steps):
+        everyone = comm.all_gather(local.sums(row_max, points, centre))
+        pivot, step, done, hi, centre, points = local.advance(
+            everyone, points, pivot, step, done, hi, False)
+        distributed._all_done(done)
+    queued = time.perf_counter()
+    _sync(device)
+    end = time.perf_counter()
+    if not rank:
+        print(f"per Newton step: host {(queued - start) / steps * 1e6:.0f} us, device "
+              f"{(end - start) / steps * 1e6:.0f} us (both from the first launch)", flush=True)
+
+
 def _triton_version():
     try:
         import triton
@@ -137,6 +166,7 @@ def _widths(features, world):
 
 def run(args, group) -> dict:
     """Every rank's part of the benchmark; rank 0 writes and returns the record."""
+    median = statistics.median
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     on_gpu = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -170,8 +200,18 @@ def run(args, group) -> dict:
         lambda: distributed.sharded_backward(y_local, g_local, 1, distributed.Collectives(group)),
         device, args.reps, group)
     comm_fwd = _wall_times(_replay(comm.trace, device, group), device, args.reps, group)
+    by_lookahead = {}
+    if args.lookaheads and distributed.kernels is not None and device.type == "cuda":
+        shard, default = distributed.kernels.TritonShard, distributed.kernels.TritonShard.lookahead
+        for lookahead in args.lookaheads:
+            shard.lookahead = lookahead
+            by_lookahead[lookahead] = median(_wall_times(
+                lambda: flashmax.sparsemax(x_local, -1, group=group), device, args.reps,
+                group)) * 1e3
+        shard.lookahead = default
     if args.profile:
         _profile(lambda: flashmax.sparsemax(x_local, -1, group=group), device, group, rank)
+        _step_rates(x_local, device, group, rank)
 
     max_diff = torch.tensor([(y_local.float() - y_ref.float()).abs().max().item()
                              if y_local.numel() else 0.0], device=device)
@@ -183,7 +223,6 @@ def run(args, group) -> dict:
     dist.all_reduce(row_sums, group=group)
     if rank:
         return {}
-    median = statistics.median
     record = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "backend": dist.get_backend(group),
@@ -209,6 +248,7 @@ def run(args, group) -> dict:
         "forward_collectives_ms": median(comm_fwd) * 1e3,
         "forward_collectives_share": median(comm_fwd) / median(sharded_fwd),
         "backward_collectives": 1,
+        "sharded_forward_ms_by_lookahead": by_lookahead,
         "max_abs_diff_vs_whole_rows": max_diff.item(),
         "relative_error_vs_fp64_oracle": (squares[0] / squares[1]).sqrt().item(),
         "max_row_sum_error": (row_sums - 1).abs().max().item(),
@@ -233,6 +273,8 @@ def _table(record) -> str:
         f"forward: {r['forward_collectives']} collectives ({r['newton_steps']} Newton steps, cap "
         f"{r['newton_cap']}), {r['forward_collectives_ms']:.3f} ms = "
         f"{100 * r['forward_collectives_share']:.1f}% of the call; backward: 1 all-reduce",
+        *(f"split forward with {k} steps queued ahead: {v:.3f} ms"
+          for k, v in r["sharded_forward_ms_by_lookahead"].items()),
         f"max |split - whole rows| {r['max_abs_diff_vs_whole_rows']:.2e}, relative error vs "
         f"fp64 oracle {r['relative_error_vs_fp64_oracle']:.2e}, max |row sum - 1| "
         f"{r['max_row_sum_error']:.2e}",

@@ -75,9 +75,9 @@ class Collectives:
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[world, *t.shape]: every rank's t, in rank order."""
         self._record("all_gather", t)
-        out = t.new_empty((self.world, *t.shape))
-        dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
-        return out
+        out = t.new_empty((self.world * t.shape[0], *t.shape[1:]))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        return out.view(self.world, *t.shape)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class TritonShard:
 
     # Newton steps queued before the driver reads whether an earlier one finished every row:
     # a step is a few short launches, and reading a flag waits for the device to get there.
-    lookahead = 2
+    lookahead = 1
 
     def __init__(self, x: torch.Tensor, dim: int, chunk=None, **launch):
         self.y, x, self.n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, None, dim, chunk)
