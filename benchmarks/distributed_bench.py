@@ -128,28 +128,53 @@ def _profile(op, device, group, rank, calls=3):
 
 def _step_rates(x_local, device, group, rank, steps=20):
     """Rank 0 prints the host's and the device's time per Newton step, from steps queued
-    back to back with no flag read: which of the two bounds the loop."""
+    back to back with no flag read (which of the two bounds the loop), and the host's time of
+    each part of a step alone."""
     local = distributed._local_work(x_local, 1)
     comm = distributed.Collectives(group)
     row_max = comm.all_reduce(local.row_max(), dist.ReduceOp.MAX)
-    pivot = comm.all_reduce(local.bound(row_max), dist.ReduceOp.MAX)
-    step, hi, centre = (torch.zeros_like(pivot) for _ in range(3))
-    done = ~torch.isfinite(row_max)
-    points = distributed.next_points(pivot, step, hi, done, False)
+    bound = comm.all_reduce(local.bound(row_max), dist.ReduceOp.MAX)
+    state = [bound, torch.zeros_like(bound), ~torch.isfinite(row_max), torch.zeros_like(bound)]
+    points = distributed.next_points(*state[:2], state[3], state[2], False)
+    centre = torch.zeros_like(bound)
+    everyone = comm.all_gather(local.sums(row_max, points, centre))
+    parts = {
+        "sums kernel": lambda: local.sums(row_max, points, centre),
+        "all_gather": lambda: comm.all_gather(everyone[rank]),
+        "update kernel": lambda: local.advance(everyone, points, *[t.clone() for t in state],
+                                               False),
+        "done flag": lambda: distributed._all_done(state[2]),
+    }
+    parts["whole step"] = lambda: [parts[name]() for name in list(parts)[:4]]
+    times = {}
+    for name, part in parts.items():
+        _sync(device)
+        dist.barrier(group)
+        start = time.perf_counter()
+        for _ in range(steps):
+            part()
+        queued = time.perf_counter()
+        _sync(device)
+        times[name] = ((queued - start) / steps * 1e6, (time.perf_counter() - start) / steps * 1e6)
+    # Where a chained step's device time goes: events between its parts, on this stream.
+    marks = {name: [] for name in list(parts)[:4]}
     _sync(device)
     dist.barrier(group)
-    start = time.perf_counter()
     for _ in range(steps):
-        everyone = comm.all_gather(local.sums(row_max, points, centre))
-        pivot, step, done, hi, centre, points = local.advance(
-            everyone, points, pivot, step, done, hi, False)
-        distributed._all_done(done)
-    queued = time.perf_counter()
+        for name in marks:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            parts[name]()
+            end.record()
+            marks[name].append((begin, end))
     _sync(device)
-    end = time.perf_counter()
     if not rank:
-        print(f"per Newton step: host {(queued - start) / steps * 1e6:.0f} us, device "
-              f"{(end - start) / steps * 1e6:.0f} us (both from the first launch)", flush=True)
+        print("per Newton step, host / device us (queued back to back, no flag read): " +
+              ", ".join(f"{name} {h:.0f} / {d:.0f}" for name, (h, d) in times.items()),
+              flush=True)
+        print("chained step, device us per part (median): " + ", ".join(
+            f"{name} {statistics.median(b.elapsed_time(e) * 1e3 for b, e in pairs):.0f}"
+            for name, pairs in marks.items()), flush=True)
 
 
 def _triton_version():
