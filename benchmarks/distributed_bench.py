@@ -47,6 +47,8 @@ def parse_args(argv=None):
     parser.add_argument("--lookaheads", type=int, nargs="*", default=[],
                         help="also time the split forward with these Newton steps queued ahead "
                              "of the host's check (CUDA)")
+    parser.add_argument("--ladders", type=int, nargs="*", default=[],
+                        help="also time the split forward with these points per step")
     parser.add_argument("--profile", action="store_true",
                         help="print the split forward's kernels and GPU busy time (rank 0)")
     parser.add_argument("--quick", action="store_true",
@@ -135,14 +137,13 @@ def _step_rates(x_local, device, group, rank, steps=20):
     row_max = comm.all_reduce(local.row_max(), dist.ReduceOp.MAX)
     bound = comm.all_reduce(local.bound(row_max), dist.ReduceOp.MAX)
     state = [bound, torch.zeros_like(bound), ~torch.isfinite(row_max), torch.zeros_like(bound)]
-    points = distributed.next_points(*state[:2], state[3], state[2], False)
+    points = distributed.next_points(*state[:2], state[3], state[2], distributed.LADDER)
     centre = torch.zeros_like(bound)
     everyone = comm.all_gather(local.sums(row_max, points, centre))
     parts = {
         "sums kernel": lambda: local.sums(row_max, points, centre),
         "all_gather": lambda: comm.all_gather(everyone[rank]),
-        "update kernel": lambda: local.advance(everyone, points, *[t.clone() for t in state],
-                                               False),
+        "update kernel": lambda: local.advance(everyone, points, *[t.clone() for t in state]),
         "done flag": lambda: distributed._all_done(state[2]),
     }
     parts["whole step"] = lambda: [parts[name]() for name in list(parts)[:4]]
@@ -234,6 +235,12 @@ def run(args, group) -> dict:
                 lambda: flashmax.sparsemax(x_local, -1, group=group), device, args.reps,
                 group)) * 1e3
         shard.lookahead = default
+    by_ladder = {}
+    for ladder in args.ladders:
+        default, distributed.LADDER = distributed.LADDER, ladder
+        by_ladder[ladder] = median(_wall_times(
+            lambda: flashmax.sparsemax(x_local, -1, group=group), device, args.reps, group)) * 1e3
+        distributed.LADDER = default
     if args.profile:
         _profile(lambda: flashmax.sparsemax(x_local, -1, group=group), device, group, rank)
         _step_rates(x_local, device, group, rank)
@@ -267,13 +274,14 @@ def run(args, group) -> dict:
         "forward_speedup": median(whole_fwd) / median(sharded_fwd),
         "backward_speedup": median(whole_bwd) / median(sharded_bwd),
         "newton_steps": steps,
-        "newton_cap": distributed.newton_cap(args.features),
+        "ladder": distributed.LADDER,
         "forward_collectives": len(comm.trace),
         "forward_collectives_kinds": [kind for kind, _, _ in comm.trace],
         "forward_collectives_ms": median(comm_fwd) * 1e3,
         "forward_collectives_share": median(comm_fwd) / median(sharded_fwd),
         "backward_collectives": 1,
         "sharded_forward_ms_by_lookahead": by_lookahead,
+        "sharded_forward_ms_by_ladder": by_ladder,
         "max_abs_diff_vs_whole_rows": max_diff.item(),
         "relative_error_vs_fp64_oracle": (squares[0] / squares[1]).sqrt().item(),
         "max_row_sum_error": (row_sums - 1).abs().max().item(),
@@ -295,11 +303,13 @@ def _table(record) -> str:
         f"{r['forward_speedup']:.2f}x |",
         f"| backward ms | {r['whole_rows_backward_ms']:.3f} | {r['sharded_backward_ms']:.3f} | "
         f"{r['backward_speedup']:.2f}x |",
-        f"forward: {r['forward_collectives']} collectives ({r['newton_steps']} Newton steps, cap "
-        f"{r['newton_cap']}), {r['forward_collectives_ms']:.3f} ms = "
+        f"forward: {r['forward_collectives']} collectives ({r['newton_steps']} steps of "
+        f"{r['ladder']} points), {r['forward_collectives_ms']:.3f} ms = "
         f"{100 * r['forward_collectives_share']:.1f}% of the call; backward: 1 all-reduce",
         *(f"split forward with {k} steps queued ahead: {v:.3f} ms"
           for k, v in r["sharded_forward_ms_by_lookahead"].items()),
+        *(f"split forward with {k} points per step: {v:.3f} ms"
+          for k, v in r["sharded_forward_ms_by_ladder"].items()),
         f"max |split - whole rows| {r['max_abs_diff_vs_whole_rows']:.2e}, relative error vs "
         f"fp64 oracle {r['relative_error_vs_fp64_oracle']:.2e}, max |row sum - 1| "
         f"{r['max_row_sum_error']:.2e}",

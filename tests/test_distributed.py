@@ -167,28 +167,29 @@ def newton_steps_and_collectives_bounded(rank, world):
         distributed.agree(my_slice(x, 1, widths), -1, comm)
         y_local, steps = distributed.sharded_forward(my_slice(x, 1, widths), 1, comm, n)
         check_against_oracle(whole(y_local, 1), x, 1)
-        assert 1 <= steps <= distributed.newton_cap(n), (n, kind, steps)
+        assert 1 <= steps <= 1 + math.ceil(math.log2(n)), (n, kind, steps)
         kinds = [kind for kind, _, _ in comm.trace]
         assert kinds == ["all_gather", "all_reduce_max", "all_reduce_max"] + ["all_gather"] * steps
         for _, shape, _ in comm.trace:
-            assert math.prod(shape) <= 3 * 64, f"a collective of shape {shape}: not per-row"
+            per_row = 3 * distributed.LADDER
+            assert math.prod(shape) <= per_row * 64, f"a collective of shape {shape}: not per-row"
 
 
 @case(*ALL)
-def bisection_safeguard_is_exact(rank, world):
-    """With the Newton cap at 0 or 1, every step also bisects: still exact, within max_steps."""
+def every_ladder_is_exact(rank, world):
+    """With 2 points per step (Newton and the bracket's midpoint) or more: exact, within
+    max_steps, each step one collective of the ladder's sums."""
     for dtype in (torch.float32, torch.float64):
         x = torch.cat([adversarial_rows(200, dtype),
                        make_input((8, 200), 1, dtype, seed=5, kind="spike")])
-        for cap in (0, 1):
+        for ladder in (2, 4, 16):
             for widths in splits(200, world)[:2]:
                 comm = distributed.Collectives(WORLD, trace=[])
                 y_local, steps = distributed.sharded_forward(
-                    my_slice(x, 1, widths), 1, comm, 200, cap=cap)
+                    my_slice(x, 1, widths), 1, comm, 200, ladder=ladder)
                 check_against_oracle(whole(y_local, 1), x, 1)
                 assert steps <= distributed.max_steps(200, dtype), steps
-                if steps > cap:  # the steps after the cap evaluate 2 points per row
-                    assert comm.trace[-1][1] == (2, 3, x.shape[0]), comm.trace[-1]
+                assert comm.trace[-1][1] == (ladder, 3, x.shape[0]), comm.trace[-1]
 
 
 @case(*INTERPRETED)
@@ -203,17 +204,18 @@ def triton_kernels_under_the_interpreter(rank, world):
     rows = [0, 3, 5, 6, 7, 10, 12, 13, 14, 15]
     x = adversarial_rows(19, torch.float32)[rows]
     xt = make_input((2, 19, 3), 1, torch.float32, seed=3, kind="near_max")
-    runs = ((x, [1, 18], None, dict(chunk=8)),
-            (x, [11, 8], 0, dict(chunk=8, group=2, sparse_write=1)),
-            (x, [19, 0], None, dict(chunk=4, threshold_tile=2)),
-            (xt, [0, 19], None, dict(chunk=8)),
-            (adversarial_rows(19, torch.bfloat16)[rows], [9, 10], None, dict(chunk=8)),
-            (adversarial_rows(19, torch.float64)[rows], [9, 10], None, dict(chunk=4)))
-    for data, widths, cap, launch in runs:
+    runs = ((x, [1, 18], 8, dict(chunk=8)),
+            (x, [11, 8], 2, dict(chunk=8, group=2, sparse_write=1)),
+            (x, [19, 0], 8, dict(chunk=4, threshold_tile=2)),
+            (xt, [0, 19], 4, dict(chunk=8)),
+            (adversarial_rows(19, torch.bfloat16)[rows], [9, 10], 8, dict(chunk=8)),
+            (adversarial_rows(19, torch.float64)[rows], [9, 10], 2, dict(chunk=4)))
+    for data, widths, ladder, launch in runs:
         x_local = my_slice(data, 1, widths)
         local = kernels.TritonShard(x_local, 1, **launch)
         y_local, _ = distributed.sharded_forward(
-            x_local, 1, distributed.Collectives(WORLD), data.shape[1], local=local, cap=cap)
+            x_local, 1, distributed.Collectives(WORLD), data.shape[1], local=local,
+            ladder=ladder)
         try:
             check_against_oracle(whole(y_local, 1), data, 1)
         except AssertionError as error:
@@ -414,11 +416,10 @@ def test_case(run_config, config, name):
         assert 0 < record["forward_collectives_share"] and record["sharded_forward_ms"] > 0
 
 
-def test_step_caps():
-    """The caps: 1 + ceil(log2(width)) Newton steps, then the bisection's float resolution."""
-    assert distributed.newton_cap(1) == 1 and distributed.newton_cap(1024) == 11
-    assert distributed.newton_cap(1025) == 12
-    assert distributed.max_steps(1024, torch.float32) == 11 + 10 + 23 + 2  # eps = 2^-23
+def test_step_cap():
+    """The hard cap: the bracket halves per step down to the float resolution of tau."""
+    assert distributed.max_steps(1024, torch.float32) == 10 + 23 + 3  # eps = 2^-23
+    assert distributed.max_steps(1, torch.float64) == 52 + 3
 
 
 def _poison_stored_chunks(shard, dim: int) -> int:
@@ -493,35 +494,45 @@ def test_triton_local_work_matches_torch(dim, launch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("points,bisect_next", [(1, False), (1, True), (2, True)])
-def test_triton_newton_update_matches_torch(points, bisect_next, dtype):
-    """The CUDA path's one-launch Newton update against the torch ops it replaces, bit for bit,
-    on three ranks' sums with done rows, rows whose midpoint is above or below tau, a row
-    whose bracket is closed, and more rows than one program holds."""
+@pytest.mark.parametrize("ladder", [2, 8])
+def test_triton_ladder_update_matches_torch(ladder, dtype):
+    """The CUDA path's one-launch update against the torch ops it replaces, bit for bit, on
+    three ranks' sums with done rows, rows whose lower bounds end at each point of the ladder
+    (and one whose f breaks monotonicity by rounding), a row whose bracket is closed, and more
+    rows than one program holds."""
     from flashmax.kernels import distributed as kernels
 
     rows, world = 1030, 3
-    generator = torch.Generator().manual_seed(points)
-    total = torch.rand((world, points, rows), generator=generator, dtype=torch.float64) * 1.5
-    count = torch.randint(0, 50, (world, points, rows), generator=generator).double()
-    smallest = torch.rand((world, points, rows), generator=generator, dtype=torch.float64) / 40
-    everyone = torch.stack([total, count, smallest], 2)
-    everyone[:, :, 1, :2] = 0  # rows with an empty support at a point
+    generator = torch.Generator().manual_seed(ladder)
     pivot = -torch.rand(rows, generator=generator, dtype=torch.float64).to(dtype)
     step = torch.rand(rows, generator=generator, dtype=torch.float64).to(dtype) / 100
-    hi = torch.where(torch.arange(rows) % 5 == 0, 0.0, pivot + 2 * step).to(dtype)
+    hi = (pivot + step + torch.rand(rows, generator=generator, dtype=torch.float64) / 10).to(dtype)
     done = torch.rand(rows, generator=generator) < 0.2
     # A row whose bracket is closed, but whose Newton step alone would not end it.
     hi[7], done[7] = pivot[7] + step[7], False
-    everyone[:, :, :, 7] = torch.tensor([1.0, 5.0, 0.0], dtype=torch.float64)
-    assert bool((~done).any() & done.any())
-    now = distributed.next_points(pivot, step, hi, done, points == 2)
-    on_torch = distributed.TorchShard.advance(everyone, now, pivot, step, done, hi, bisect_next)
+    points = distributed.next_points(pivot, step, hi, done, ladder)
+    # Sums of f descending along the ladder, each row's lower bounds ending at a random point.
+    ends = torch.randint(0, ladder, (rows,), generator=generator)
+    total = torch.where(torch.arange(ladder)[:, None] <= ends, 1.5, 0.5).double()
+    total = total - torch.rand((ladder, rows), generator=generator, dtype=torch.float64) / 4
+    total[ladder - 1, 11], ends[11] = 1.2, 0  # f >= 0 again after f < 0: not a lower bound
+    total[1:, 11] = torch.where(torch.arange(1, ladder) < ladder - 1, 0.9, 1.2).double()
+    parts = torch.rand((world, ladder, rows), generator=generator, dtype=torch.float64)
+    everyone = torch.stack([total * parts / parts.sum(0),
+                            torch.randint(1, 50, (world, ladder, rows), generator=generator).double(),
+                            torch.rand((world, ladder, rows), generator=generator,
+                                       dtype=torch.float64) / 40], 2)
+    everyone[:, :, :, 7] = torch.tensor([0.5, 5.0, 0.0], dtype=torch.float64)
+    everyone[:, :, 1, :2] = 0  # rows with an empty support at every point
+    on_torch = distributed.TorchShard.advance(everyone, points, pivot, step, done, hi)
     state = [t.clone().to(KERNEL_DEVICE) for t in (pivot, step, done, hi)]
-    on_triton = kernels.TritonShard.advance(everyone.to(KERNEL_DEVICE), now.to(KERNEL_DEVICE),
-                                            *state, bisect_next)
+    on_triton = kernels.TritonShard.advance(everyone.to(KERNEL_DEVICE), points.to(KERNEL_DEVICE),
+                                            *state)
     names = ("pivot", "step", "done", "hi", "centre", "next points")
     for name, expected, got in zip(names, on_torch, on_triton):
         assert_bitwise_equal(got.cpu(), expected, name)
-    if points == 2:
-        assert bool(on_torch[2][7]), "no float between tau and hi: the row ends"
+    assert bool(on_torch[2][7]), "no float between tau and hi: the row ends"
+    # Rows whose lower bounds go past the Newton point start from a higher point.
+    moved = ~done & (ends > 0)
+    assert bool((on_torch[0][moved] >= (pivot + step)[moved]).all())
+    assert bool((on_torch[0][moved] > (pivot + step)[moved]).float().mean() > 0.9)

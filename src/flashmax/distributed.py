@@ -7,20 +7,22 @@ ranks, never the features:
 1. one all_gather of a small fixed-size description of each rank's input, so that ranks that
    disagree (rows, dtype, dim, gradient) all raise the same ValueError instead of hanging;
 2. an all-reduce MAX of the rows' local maxima: z = x - max, tau in [-1, 0), as on one device;
-3. an all-reduce MAX of each rank's lower bound on tau, the exact tau of its own slice (CPU) or
-   the tau of its best chunk's group maxima (CUDA, found in the same pass as the maxima): the
+3. an all-reduce MAX of each rank's lower bound on tau, the exact tau of its own slice: the
    tau of any subset of a row is <= the row's tau;
-4. Newton steps from that bound, one collective each for all rows: an all_gather of each
-   rank's (sum, count, smallest) of z - tau over z > tau, reduced in rank order on every rank.
-   The smallest lets a step be recognised final without another pass (as on one device), and
-   the identical reduction on every rank makes every rank take identical decisions.
+4. steps from that bound, one collective each for all rows: an all_gather of each rank's
+   (sum, count, smallest) of z - t over z > t at `ladder` points t per row, reduced in rank
+   order on every rank (identical numbers, so identical decisions on every rank). The points
+   are the Newton point t0 (a lower bound) and a ladder over the bracket [t0, hi], at
+   t0 + (hi - t0) / 2^k up to the midpoint (hi: the lowest point seen with f < 0; at first 0). Each step keeps the highest point with
+   f >= 0, takes the Newton step from it, and lowers hi to the lowest point with f < 0.
 
-Newton from a lower bound rises monotonically and usually ends in one or two steps. After
-`newton_cap(width)` = 1 + ceil(log2(width)) steps, each further step also evaluates the midpoint
-of a bracket [tau, hi] (hi: the lowest point seen with f < 0) in the same pass and collective:
-the bracket at least halves per step, and once no data point lies inside it the Newton step
-from its lower end is exact. So the answer stays exact, and the number of steps is capped by
-the floating-point resolution of tau (|tau| >= 1 / width): `max_steps`.
+Newton from a lower bound rises monotonically to the exact tau; the smallest entry of the
+support lets the step that lands be recognised final (as on one device). The ladder's points
+cost nothing but a wider collective, and a start nearer tau saves whole steps (each a round
+trip between ranks): from the slices' bound, rows of randn usually end in one or two steps.
+The bracket at least halves per step, and once no float is left inside it the
+Newton step from its lower end is exact: so the steps are capped by the floating-point
+resolution of tau (|tau| >= 1 / width), `max_steps`, and the answer stays exact.
 
 The local work is pure torch on CPU tensors and Triton kernels on CUDA tensors
 (`flashmax.kernels.distributed`: the single-device split passes, which read the slice once and
@@ -43,16 +45,15 @@ from .kernels import load as load_kernels
 kernels = load_kernels("distributed")
 
 
-def newton_cap(width: int) -> int:
-    """Pure Newton steps before the bisection safeguard starts."""
-    return 1 + math.ceil(math.log2(max(width, 1)))
+# Points per row and step: the Newton point and a ladder over the bracket (a power of 2 >= 2).
+LADDER = 8
 
 
 def max_steps(width: int, dtype: torch.dtype) -> int:
-    """Hard cap on the steps: the bracket starts at most 1 wide and halves per step after the
-    Newton steps; it holds no float once narrower than the spacing at |tau| >= 1 / width."""
+    """Hard cap on the steps: the bracket starts at most 1 wide and at least halves per step;
+    it holds no float once narrower than the spacing at |tau| >= 1 / width."""
     mantissa = -math.log2(torch.finfo(dtype).eps)
-    return newton_cap(width) + math.ceil(math.log2(max(width, 1)) + mantissa) + 2
+    return math.ceil(math.log2(max(width, 1)) + mantissa) + 3
 
 
 class Collectives:
@@ -193,13 +194,14 @@ class TorchShard:
         return torch.stack([total, count.double(), smallest.double()], 1)
 
     @staticmethod
-    def advance(everyone, points, pivot, step, done, hi, bisect_next):
-        """One Newton step's update from every rank's sums (`everyone` [world, points, 3,
-        rows], in rank order): (pivot, step, done, hi, centre, the next step's points)."""
+    def advance(everyone, points, pivot, step, done, hi):
+        """One step's update from every rank's sums (`everyone` [world, ladder, 3, rows], in
+        rank order): (pivot, step, done, hi, centre, the next step's points)."""
         stats = _reduce_ranks(everyone)
-        pivot, step, done, hi = _advance(stats, points, pivot, step, done, hi)
-        centre = torch.where(stats[0, 1] > 0, 1 / stats[0, 1], 0).to(pivot.dtype)
-        return pivot, step, done, hi, centre, next_points(pivot, step, hi, done, bisect_next)
+        pivot, step, done, hi, count = _advance(stats, points, pivot, step, done, hi)
+        # The next step's centre: 1 / the count at the point its Newton step started from.
+        centre = torch.where(count > 0, 1 / count, 0).to(pivot.dtype)
+        return pivot, step, done, hi, centre, next_points(pivot, step, hi, done, points.shape[0])
 
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         y = self.z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
@@ -235,12 +237,20 @@ def _local_work(x: torch.Tensor, dim: int):
 # ----------------------------------------------------------------------------------------------
 
 
-def next_points(pivot, step, hi, done, bisect):
-    """[points, rows]: a step's tau = pivot + step, and with `bisect` the midpoint of [tau, hi]
-    too; NaN for finished rows."""
+def ladder_fractions(ladder: int) -> list[float]:
+    """Where a step's points lie in its bracket [tau, hi]: tau, then geometrically up to the
+    midpoint (0, 2^(1 - ladder), ..., 1/4, 1/2). Newton rises from below, so tau is usually
+    close under the root: the points crowd there, and the midpoint still halves the bracket."""
+    return [0.0] + [2.0 ** (j - ladder) for j in range(1, ladder)]
+
+
+def next_points(pivot, step, hi, done, ladder):
+    """[ladder, rows], ascending: a step's points tau + (hi - tau) * fraction, tau = pivot +
+    step (the products are exact: the fractions are powers of 2); NaN for finished rows."""
     tau = pivot + step
-    points = [tau, tau + (hi - tau) / 2] if bisect else [tau]
-    return torch.stack(points).masked_fill_(done, torch.nan)
+    fractions = torch.tensor(ladder_fractions(ladder), dtype=tau.dtype, device=tau.device)
+    points = tau + (hi - tau) * fractions[:, None]
+    return points.masked_fill_(done, torch.nan)
 
 
 def _reduce_ranks(everyone):
@@ -269,32 +279,36 @@ def _all_done(done):
 
 
 def _advance(stats, points, pivot, step, done, hi):
-    """One step's update from the reduced sums at the Newton point (and the midpoint)."""
-    tau = points[0]
-    pivot, step, new_done = reference.newton_update(*stats[0], pivot, step, done)
-    if len(points) == 1:
-        return pivot, step, new_done, hi
-    mid = points[1]
-    # f(mid) >= 0: mid is a lower bound, and Newton from it may beat Newton from tau.
-    below = stats[1, 0] >= 1
-    hi = torch.where(below | done, hi, mid)
-    mid_pivot, mid_step, mid_done = reference.newton_update(
-        *stats[1], mid, torch.zeros_like(mid), done)
-    better = below & ~done & (mid_pivot + mid_step > pivot + step)
-    pivot = torch.where(better, mid_pivot, pivot)
-    step = torch.where(better, mid_step, step)
-    new_done = torch.where(better, mid_done, new_done)
+    """One step's update from the reduced sums at each row's ladder of points [ladder, rows]:
+    (pivot, step, done, hi, the count at the point the Newton step started from)."""
+    ladder = points.shape[0]
+    # f(point) >= 0: a lower bound. The points ascend and f descends: the lower bounds are a
+    # prefix (taken as one even if rounding broke it), and the Newton point is always one.
+    below = stats[:, 0] >= 1
+    below[0] = True
+    prefix = below.cumprod(0).sum(0)
+    best = (prefix - 1)[None]
+    total, count, smallest = stats.gather(0, best[:, None].expand(1, 3, -1))[0]
+    start = points.gather(0, best)[0]
+    new_pivot, new_step, new_done = reference.newton_update(
+        total, count, smallest, start, torch.zeros_like(start), done)
+    pivot = torch.where(done, pivot, new_pivot)
+    step = torch.where(done, step, new_step)
+    above = points.gather(0, prefix.clamp_max(ladder - 1)[None])[0]
+    hi = torch.where(done | (prefix == ladder), hi, above)
     # No float left between tau and hi, hence no data point: the Newton step from tau is exact.
-    return pivot, step, new_done | ~(mid > tau), hi
+    closed = ~(points[ladder - 1] > points[0])
+    return pivot, step, new_done | closed, hi, count
 
 
-def sharded_forward(x, dim, comm: Collectives, width: int, local=None, cap=None):
-    """This rank's slice of the sparsemax of the whole rows, and the number of Newton steps.
+def sharded_forward(x, dim, comm: Collectives, width: int, local=None, ladder=None):
+    """This rank's slice of the sparsemax of the whole rows, and the number of steps.
 
     `width` is the whole rows' width. Tests override the local work (`local`: Triton kernels
-    on CPU tensors under the interpreter) and `cap`, the pure Newton steps.
+    on CPU tensors under the interpreter) and the points per step (`ladder`, default LADDER).
     """
     local = _local_work(x, dim) if local is None else local
+    ladder = LADDER if ladder is None else ladder
     row_max = local.row_max()
     # NaN anywhere makes the row bad, as +inf does: reduce it as +inf (MAX may drop NaNs).
     row_max = comm.all_reduce(torch.where(row_max.isnan(), torch.inf, row_max), dist.ReduceOp.MAX)
@@ -303,8 +317,7 @@ def sharded_forward(x, dim, comm: Collectives, width: int, local=None, cap=None)
     pivot, step, done = bound, torch.zeros_like(bound), bad
     hi = torch.zeros_like(bound)
     centre = torch.zeros_like(bound)  # 1 / the last count: see TorchShard.sums
-    cap = newton_cap(width) if cap is None else cap
-    points = next_points(pivot, step, hi, done, cap <= 0)
+    points = next_points(pivot, step, hi, done, ladder)
     # Each queued step's "every row done", read local.lookahead steps later, so that the host
     # queues the next steps while the device works (a step after the last only repeats it).
     finished = [_all_done(done)]
@@ -314,7 +327,7 @@ def sharded_forward(x, dim, comm: Collectives, width: int, local=None, cap=None)
             break
         everyone = comm.all_gather(local.sums(row_max, points, centre))
         pivot, step, done, hi, centre, points = local.advance(
-            everyone, points, pivot, step, done, hi, steps + 1 >= cap)
+            everyone, points, pivot, step, done, hi)
         finished.append(_all_done(done))
         steps += 1
     return local.write(row_max, pivot, step), steps

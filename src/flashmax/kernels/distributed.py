@@ -19,7 +19,7 @@ from .sparsemax import (PART_MAX, PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE,
                         SplitBackward, SplitRows, _rows, _wide)
 
 
-STEP_ROWS = 1024  # rows per program of the Newton update
+STEP_ROWS = 256  # rows per program of the step's update
 
 
 @triton.jit
@@ -48,47 +48,50 @@ def _newton_step(total, count, smallest, tau):
 
 
 @triton.jit
-def shard_newton_step_kernel(
+def shard_ladder_step_kernel(
     EVERYONE, POINTS, PIVOT, STEP, DONE, HI, CENTRE, NEXT_POINTS, n_rows, world,
-    POINTS_NOW: tl.constexpr, BISECT_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+    LADDER: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """`flashmax.distributed`'s update after one step, in place: the torch ops of
-    `TorchShard.advance` in one launch. Rows at the cap also evaluated the midpoint of
-    [tau, HI]: it narrows the bracket, may give a better Newton start, and ends the row once no
-    float is left between tau and it."""
+    `TorchShard.advance` in one launch. Of each row's ascending points, the prefix with
+    f >= 0 are lower bounds: Newton from the highest, and the next (f < 0) becomes HI. The
+    step is exact once no float is left between the Newton point and HI."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < n_rows
     pivot = tl.load(PIVOT + rows, mask=mask, other=0.0)
     step = tl.load(STEP + rows, mask=mask, other=0.0)
     hi = tl.load(HI + rows, mask=mask, other=0.0)
     done = tl.load(DONE + rows, mask=mask, other=1) != 0
-    tau = pivot + step
-    total, count, smallest = _rank_sums(EVERYONE, 0, rows, mask, n_rows, world, POINTS_NOW)
-    new_step, final = _newton_step(total, count, smallest, tau)
-    new_pivot = tl.where(done, pivot, tau)
+    first = tl.load(POINTS + rows, mask=mask, other=0.0)
+    start = first
+    total, count, smallest = _rank_sums(EVERYONE, 0, rows, mask, n_rows, world, LADDER)
+    lower = rows == rows  # every point so far is a lower bound
+    above = hi
+    for j in tl.static_range(1, LADDER):
+        point = tl.load(POINTS + j * n_rows + rows, mask=mask, other=0.0)
+        point_total, point_count, point_smallest = _rank_sums(EVERYONE, j, rows, mask, n_rows,
+                                                              world, LADDER)
+        below = lower & (point_total >= 1)
+        above = tl.where(lower & ~below, point, above)
+        start = tl.where(below, point, start)
+        total = tl.where(below, point_total, total)
+        count = tl.where(below, point_count, count)
+        smallest = tl.where(below, point_smallest, smallest)
+        lower = below
+    new_step, final = _newton_step(total, count, smallest, start)
+    new_pivot = tl.where(done, pivot, start)
     new_step = tl.where(done, step, new_step)
-    new_done = done | final
-    if POINTS_NOW == 2:
-        mid = tl.load(POINTS + n_rows + rows, mask=mask, other=0.0)
-        mid_total, mid_count, mid_smallest = _rank_sums(EVERYONE, 1, rows, mask, n_rows, world,
-                                                        POINTS_NOW)
-        below = mid_total >= 1  # f(mid) >= 0: a lower bound
-        hi = tl.where(below | done, hi, mid)
-        mid_step, mid_final = _newton_step(mid_total, mid_count, mid_smallest, mid)
-        better = below & ~done & (mid + mid_step > new_pivot + new_step)
-        new_pivot = tl.where(better, mid, new_pivot)
-        new_step = tl.where(better, mid_step, new_step)
-        new_done = tl.where(better, mid_final, new_done) | ~(mid > tau)
+    new_done = done | final | ~(point > first)  # the last point is the bracket's midpoint
+    hi = tl.where(done, hi, above)
     tl.store(PIVOT + rows, new_pivot, mask=mask)
     tl.store(STEP + rows, new_step, mask=mask)
     tl.store(HI + rows, hi, mask=mask)
     tl.store(DONE + rows, new_done, mask=mask)
     tl.store(CENTRE + rows, tl.where(count > 0, 1 / count, 0).to(pivot.dtype), mask=mask)
-    next_tau = new_pivot + new_step
-    tl.store(NEXT_POINTS + rows, tl.where(new_done, float("nan"), next_tau), mask=mask)
-    if BISECT_NEXT:
-        next_mid = next_tau + (hi - next_tau) / 2
-        tl.store(NEXT_POINTS + n_rows + rows, tl.where(new_done, float("nan"), next_mid),
+    tau = new_pivot + new_step
+    for j in tl.static_range(LADDER):
+        point = tau + (hi - tau) * (0.0 if j == 0 else 2.0 ** (j - LADDER))  # ladder_fractions
+        tl.store(NEXT_POINTS + j * n_rows + rows, tl.where(new_done, float("nan"), point),
                  mask=mask)
 
 
@@ -142,14 +145,15 @@ class TritonShard:
         return self.split.sums(row_max, taus, centre)
 
     @staticmethod
-    def advance(everyone, points, pivot, step, done, hi, bisect_next):
+    def advance(everyone, points, pivot, step, done, hi):
         """As TorchShard.advance, in one launch that updates pivot, step, done and hi in place."""
-        n_rows = pivot.shape[0]
+        ladder, n_rows = points.shape
         centre = torch.empty_like(pivot)
-        following = pivot.new_empty((2 if bisect_next else 1, n_rows))
-        shard_newton_step_kernel[(triton.cdiv(n_rows, STEP_ROWS),)](
+        following = torch.empty_like(points)
+        # No fused multiply-adds: the same roundings as the torch ops it replaces.
+        shard_ladder_step_kernel[(triton.cdiv(n_rows, STEP_ROWS),)](
             everyone, points, pivot, step, done, hi, centre, following, n_rows, everyone.shape[0],
-            POINTS_NOW=points.shape[0], BISECT_NEXT=bisect_next, BLOCK=STEP_ROWS)
+            LADDER=ladder, BLOCK=STEP_ROWS, enable_fp_fusion=False)
         return pivot, step, done, hi, centre, following
 
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor):
