@@ -205,7 +205,7 @@ def triton_kernels_under_the_interpreter(rank, world):
     x = adversarial_rows(19, torch.float32)[rows]
     xt = make_input((2, 19, 3), 1, torch.float32, seed=3, kind="near_max")
     runs = ((x, [1, 18], 8, dict(chunk=8)),
-            (x, [11, 8], 2, dict(chunk=8, group=2, sparse_write=1, pick=0)),
+            (x, [11, 8], 2, dict(chunk=8, group=2, sparse_write=1)),
             (x, [19, 0], 8, dict(chunk=4, threshold_tile=2)),
             (xt, [0, 19], 4, dict(chunk=8)),
             (adversarial_rows(19, torch.bfloat16)[rows], [9, 10], 8, dict(chunk=8)),
@@ -442,7 +442,7 @@ def _poison_stored_chunks(shard, dim: int) -> int:
     return poisoned
 
 
-@pytest.mark.parametrize("launch", [dict(chunk=8), dict(chunk=8, group=2, sparse_write=1, pick=0),
+@pytest.mark.parametrize("launch", [dict(chunk=8), dict(chunk=8, group=2, sparse_write=1),
                                     dict(chunk=4, threshold_tile=2)],
                          ids=["chunks", "group-maxima-rereading", "row-tile-across-chunks"])
 @pytest.mark.parametrize("dim", [0, 1, 2])

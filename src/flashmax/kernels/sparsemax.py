@@ -62,9 +62,6 @@ SPARSE_WRITE = 1024
 THRESHOLD_TILE = 4096
 # Bits of a stored candidate's index, per output dtype.
 INDEX_TYPE = {2: tl.int16, 4: tl.int32, 8: tl.int64}
-# A chunk with at most this many candidates stores them one by one (a reduction each); more are
-# placed by a scan across the whole program, whose cross-warp steps cost many barriers.
-PICK_CANDIDATES = 16
 
 
 @triton.jit
@@ -257,25 +254,17 @@ def _chunk_extent(PART, row, splits, n_splits, n, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _highest_index(index_a, value_a, index_b, value_b):
-    higher = index_a > index_b
-    return tl.where(higher, index_a, index_b), tl.where(higher, value_a, value_b)
-
-
-@triton.jit
 def sparsemax_split_bounds_kernel(
     X, Y, PART, n_splits, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
-    PICK: tl.constexpr,
 ):
     """Split pass 1, one chunk per program: the chunk's max, the exact tau of its group maxima
     (a lower bound on the row's tau relative to that max), and its candidates: the entries
     above that bound, a superset of the chunk's part of the row's support. When they fill at
     most half the chunk, they are stored in the output's chunk (values, then their indices as
-    INDEX bits), so that later passes need not read the chunk again: at most PICK of them
-    one at a time, highest index first, by a reduction each; more by one scan for all."""
+    INDEX bits), so that later passes need not read the chunk again."""
     pid = tl.program_id(0)
     row, off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
                                   x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)
@@ -288,38 +277,23 @@ def sparsemax_split_bounds_kernel(
     bound = pivot + step
     # A margin of a few ulps: the later passes compare in the row's coordinates, rounded
     # differently, and must never find a support entry that is not a candidate.
-    z = x - chunk_max[:, None, None]
-    floor = (bound - tl.abs(bound) * CANDIDATE_MARGIN)[:, None, None]
-    keep = (z > floor).to(tl.int32)
+    keep = (x - chunk_max[:, None, None]) > (bound - tl.abs(bound) * CANDIDATE_MARGIN)[:, None, None]
+    keep = keep.to(tl.int32)
     column_count = tl.sum(keep, axis=1)  # inside each thread
     count = tl.sum(column_count)
     start = (pid % n_splits) * CHUNK
-    index = (tl.arange(0, GROUP)[:, None] * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP))[None]
     if 2 * count <= tl.minimum(n - start, CHUNK):
-        if count <= PICK:
-            below = tl.full([], CHUNK, tl.int32)
-            for k in range(count):
-                # The highest candidate index below the last one picked, with its value.
-                highest, value = tl.reduce((tl.where((z > floor) & (index < below), index, -1),
-                                            x), 1, _highest_index)
-                highest, value = tl.reduce((highest, value), 1, _highest_index)
-                y_at = Y + _entry_offsets(row, start + k, inner, y_stride_outer, y_stride_inner,
-                                          y_stride_n, WIDE)
-                tl.store(y_at + tl.arange(0, 1), value.to(Y.dtype.element_ty))
-                tl.store(y_at + count * y_stride_n + tl.arange(0, 1),
-                         highest.to(INDEX).to(Y.dtype.element_ty, bitcast=True))
-                below = tl.reshape(highest, [])
-        else:
-            # Slots in (column, group) order: one scan across the threads, of the columns'
-            # counts; down a column (inside a thread) a running count.
-            column_start = tl.cumsum(column_count, axis=1) - column_count
-            slot = column_start[:, None, :] + tl.cumsum(keep, axis=1) - 1
-            y_row = Y + _entry_offsets(row, start + slot, inner, y_stride_outer, y_stride_inner,
-                                       y_stride_n, WIDE)
-            tl.store(y_row, x_in.to(Y.dtype.element_ty), mask=keep != 0)
-            tl.store(y_row + count * y_stride_n, index.to(INDEX).to(Y.dtype.element_ty,
-                                                                    bitcast=True),
-                     mask=keep != 0)
+        # Slots in (column, group) order: one scan across the threads, of the columns' counts;
+        # down a column (inside a thread) a running count.
+        column_start = tl.cumsum(column_count, axis=1) - column_count
+        slot = column_start[:, None, :] + tl.cumsum(keep, axis=1) - 1
+        index = tl.arange(0, GROUP)[:, None] * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
+        y_row = Y + _entry_offsets(row, start + slot, inner, y_stride_outer, y_stride_inner,
+                                   y_stride_n, WIDE)
+        tl.store(y_row, x_in.to(Y.dtype.element_ty), mask=keep != 0)
+        tl.store(y_row + count * y_stride_n,
+                 index[None, :, :].to(INDEX).to(Y.dtype.element_ty, bitcast=True),
+                 mask=keep != 0)
     part = PART + pid * PART_SIZE
     tl.store(part + PART_MAX, tl.reshape(chunk_max, []))
     tl.store(part + PART_BOUND, tl.reshape(bound, []))
@@ -696,7 +670,7 @@ class SplitRows:
     The keyword arguments override the launch heuristics (benchmarks, tests)."""
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
-                 num_warps=None, sparse_write=None, threshold_tile=None, pick=None):
+                 num_warps=None, sparse_write=None, threshold_tile=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -709,7 +683,6 @@ class SplitRows:
                                                             self.num_warps, group),
                          INDEX=INDEX_TYPE[y.element_size()], WIDE=wide, num_warps=self.num_warps)
         self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
-        self.pick = PICK_CANDIDATES if pick is None else pick
         tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits,
@@ -720,7 +693,7 @@ class SplitRows:
         """Pass 1: PART (per chunk: max, bound, candidates), and the candidates stored in y."""
         sparsemax_split_bounds_kernel[self.grid](
             self.x, self.y, self.part, self.n_splits, self.n_rows, self.n, self.inner,
-            *self.strides, PICK=self.pick, **self.tile)
+            *self.strides, **self.tile)
 
     def threshold(self) -> torch.Tensor:
         """Pass 2: STATE [rows, STATE_SIZE], each row's max and exact (pivot, step)."""
@@ -748,8 +721,8 @@ class SplitRows:
 
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
-                      pick=None) -> torch.Tensor:
+                      block_m=None, chunk=None, sparse_write=None,
+                      threshold_tile=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -757,8 +730,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     size (at most SPLIT_LAUNCH's), in three passes: the chunks' bounds and candidates, each
     row's tau from them, the outputs.
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
-    reading it again; `pick` (default PICK_CANDIDATES) caps the candidates of a chunk stored one
-    by one; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile. The
+    reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile. The
     other keyword arguments override the launch heuristics (benchmarks, tests).
     """
     if x.numel() == 0:
@@ -767,7 +739,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
         split = SplitRows(x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
-                          num_warps, sparse_write, threshold_tile, pick)
+                          num_warps, sparse_write, threshold_tile)
         split.bounds()
         split.write(split.threshold())
         return y
