@@ -167,6 +167,8 @@ def main():
     parser.add_argument("--variants", metavar="JSON",
                         help='forward variants to time instead of the built-in ones, e.g. '
                              '\'{"default": {}, "c8192": {"chunk": 8192}}\'')
+    parser.add_argument("--backward-variants", metavar="JSON",
+                        help='fp32 backward variants to time, e.g. \'{"c8192": {"chunk": 8192}}\'')
     parser.add_argument("--shapes", nargs="+", metavar="ROWSxN",
                         help="shapes to time with the default kernel only, e.g. 512x131072")
     parser.add_argument("--profile", action="store_true",
@@ -207,12 +209,17 @@ def main():
                     ys = [kernels.sparsemax_forward(x, 1) for x in inputs]
                     gs = [torch.randn_like(x) for x in inputs]
                     pairs = list(zip(ys, gs))
-                    med, p20, p80 = gpu_time_us(lambda p: kernels.sparsemax_backward(p[0], p[1], 1),
-                                                pairs)
-                    records.append(dict(mode="backward", variant="default", n=n, rows=rows,
-                                        dtype=str(dtype)[6:], dist=dist, median_us=med,
-                                        p20_us=p20, p80_us=p80, floor_us=1.5 * floor,
-                                        ratio=med / (1.5 * floor), rel_error=None))
+                    backward_variants = {"default": {}}
+                    if args.backward_variants and dtype == torch.float32:
+                        backward_variants = json.loads(args.backward_variants)
+                    for name, config in backward_variants.items():
+                        def backward(p, config=config):
+                            return kernels.sparsemax_backward(p[0], p[1], 1, **config)
+                        med, p20, p80 = gpu_time_us(backward, pairs)
+                        records.append(dict(mode="backward", variant=name, n=n, rows=rows,
+                                            dtype=str(dtype)[6:], dist=dist, median_us=med,
+                                            p20_us=p20, p80_us=p80, floor_us=1.5 * floor,
+                                            ratio=med / (1.5 * floor), rel_error=None))
                     del ys, gs, pairs
                 del inputs
                 torch.cuda.empty_cache()

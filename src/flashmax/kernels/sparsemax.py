@@ -56,6 +56,10 @@ CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
 # keep larger chunks, whose fewer candidates shorten the row pass.
 SPLIT_LAUNCH = {False: (16384, 16), True: (8192, 4)}
 SPLIT_MANY_ROWS = 16
+# The split backward's (entries, warps) per chunk (fp64: half the entries). Measured on an H200
+# (benchmarks/NOTES.md, v11): 8192 over 4 warps beat 32768 over 8 (235 registers, one program
+# per SM) by 7-13% from 8 x 1048576 to 512 x 131072.
+SPLIT_BACKWARD_LAUNCH = (8192, 4)
 # A chunk with at most this many candidates writes its outputs without reading its input again.
 SPARSE_WRITE = 1024
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk).
@@ -762,6 +766,10 @@ class SplitBackward:
     def __init__(self, y, grad, dim, out=None, chunk=None, num_warps=None):
         self.dx, y, self.n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
         grad, (_, _, g_strides) = _strided(grad, dim)
+        entries, warps = SPLIT_BACKWARD_LAUNCH
+        chunk = min(chunk, entries // 2 if y.dtype == torch.float64 else entries)
+        if num_warps is None:
+            num_warps = max(1, min(warps, chunk // 256))
         self.grid, self.n_splits, block_n, num_warps, self.part = _split_launch(
             self.n_rows, n, min(chunk, n), num_warps, y)
         self.tensors = (y, grad)
