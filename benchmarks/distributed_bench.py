@@ -134,8 +134,7 @@ def _step_rates(x_local, device, group, rank, steps=20):
     each part of a step alone."""
     local = distributed._local_work(x_local, 1)
     comm = distributed.Collectives(group)
-    row_max = comm.all_reduce(local.row_max(), dist.ReduceOp.MAX)
-    bound = comm.all_reduce(local.bound(row_max), dist.ReduceOp.MAX)
+    row_max, bound = distributed.combine(comm.all_gather(local.summary()))
     state = [bound, torch.zeros_like(bound), ~torch.isfinite(row_max), torch.zeros_like(bound)]
     points = distributed.next_points(*state[:2], state[3], state[2], distributed.LADDER)
     centre = torch.zeros_like(bound)
@@ -158,7 +157,7 @@ def _step_rates(x_local, device, group, rank, steps=20):
         _sync(device)
         times[name] = ((queued - start) / steps * 1e6, (time.perf_counter() - start) / steps * 1e6)
     # Where a chained step's device time goes: events between its parts, on this stream.
-    marks = {name: [] for name in list(parts)[:4]}
+    marks = {name: [] for name in list(parts)[:4]} if device.type == "cuda" else {}
     _sync(device)
     dist.barrier(group)
     for _ in range(steps):
@@ -169,10 +168,11 @@ def _step_rates(x_local, device, group, rank, steps=20):
             end.record()
             marks[name].append((begin, end))
     _sync(device)
-    if not rank:
-        print("per Newton step, host / device us (queued back to back, no flag read): " +
-              ", ".join(f"{name} {h:.0f} / {d:.0f}" for name, (h, d) in times.items()),
-              flush=True)
+    if rank:
+        return
+    print("per Newton step, host / device us (queued back to back, no flag read): " +
+          ", ".join(f"{name} {h:.0f} / {d:.0f}" for name, (h, d) in times.items()), flush=True)
+    if marks:
         print("chained step, device us per part (median): " + ", ".join(
             f"{name} {statistics.median(b.elapsed_time(e) * 1e3 for b, e in pairs):.0f}"
             for name, pairs in marks.items()), flush=True)

@@ -6,10 +6,11 @@ ranks, never the features:
 
 1. one all_gather of a small fixed-size description of each rank's input, so that ranks that
    disagree (rows, dtype, dim, gradient) all raise the same ValueError instead of hanging;
-2. an all-reduce MAX of the rows' local maxima: z = x - max, tau in [-1, 0), as on one device;
-3. an all-reduce MAX of each rank's lower bound on tau, the exact tau of its own slice: the
-   tau of any subset of a row is <= the row's tau;
-4. steps from that bound, one collective each for all rows: an all_gather of each rank's
+2. one all_gather of each rank's (max, exact tau of its own slice relative to that max): every
+   rank then takes each row's max (z = x - max, tau in [-1, 0), as on one device) and the
+   highest slice's tau in those coordinates, a lower bound on the row's tau (the tau of any
+   subset of a row is <= the row's tau);
+3. steps from that bound, one collective each for all rows: an all_gather of each rank's
    (sum, count, smallest) of z - t over z > t at `ladder` points t per row, reduced in rank
    order on every rank (identical numbers, so identical decisions on every rank). The points
    are the Newton point t0 (a lower bound) and a ladder over the bracket [t0, hi], at
@@ -163,20 +164,25 @@ class TorchShard:
         self.x, self.dim = x, dim
         self.ctype = compute_dtype(x.dtype)
         self.rows = _as_rows(x, dim).to(self.ctype)
+        self.z = None
 
-    def row_max(self) -> torch.Tensor:
+    def summary(self) -> torch.Tensor:
+        """[2, rows]: this slice's max (NaN where it holds one) and its exact tau relative to
+        that max (-inf where the max is not finite)."""
         if not self.rows.shape[1]:
-            return self.rows.new_full(self.rows.shape[:1], -torch.inf)
-        return self.rows.amax(-1)
+            return self.rows.new_full((2, self.rows.shape[0]), -torch.inf)
+        local_max = self.rows.amax(-1)
+        finite = torch.isfinite(local_max)
+        z = (self.rows - local_max.unsqueeze(-1)).masked_fill_(~finite.unsqueeze(-1), -torch.inf)
+        pivot, step = reference.threshold(z)
+        return torch.stack([local_max, torch.where(finite, pivot + step, -torch.inf)])
 
-    def bound(self, row_max: torch.Tensor) -> torch.Tensor:
-        """A lower bound on each row's tau: the exact tau of this slice (-inf for no entries)."""
-        self.z = self.rows - row_max.unsqueeze(-1)
-        self.z.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), -torch.inf)
-        if not self.z.shape[1]:
-            return row_max.new_full(row_max.shape, -torch.inf)
-        pivot, step = reference.threshold(self.z)
-        return pivot + step
+    def _z(self, row_max: torch.Tensor) -> torch.Tensor:
+        """The slice in the whole rows' coordinates, z = x - row max (-inf in bad rows)."""
+        if self.z is None:
+            self.z = self.rows - row_max.unsqueeze(-1)
+            self.z.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), -torch.inf)
+        return self.z
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """[points, 3, rows] float64: sum, count and smallest of d = z - tau over d > 0, for
@@ -185,7 +191,7 @@ class TorchShard:
         The sum is that of d - centre (centre near 1 / count: terms that nearly cancel, so
         nearly exact in the compute dtype) plus count * centre in float64.
         """
-        d = self.z - taus.unsqueeze(-1)
+        d = self._z(row_max) - taus.unsqueeze(-1)
         support = d > 0
         total = torch.where(support, d - centre.unsqueeze(-1), 0).sum(-1)
         count = support.sum(-1)
@@ -204,7 +210,7 @@ class TorchShard:
         return pivot, step, done, hi, centre, next_points(pivot, step, hi, done, points.shape[0])
 
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        y = self.z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
+        y = self._z(row_max).sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
         y.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), torch.nan)
         shape = self.x.movedim(self.dim, -1).shape
         return y.to(self.x.dtype).view(shape).movedim(-1, self.dim).contiguous()
@@ -261,6 +267,17 @@ def _reduce_ranks(everyone):
     return torch.cat([sums, smallest], 1)
 
 
+def combine(summaries):
+    """Every rank's `summary` [world, 2, rows] -> each row's max (+inf where a rank holds a NaN
+    or +inf: a bad row) and a lower bound on its tau, the highest slice's tau in the row's
+    coordinates; the same numbers in the same order on every rank."""
+    local_max, local_tau = summaries[:, 0], summaries[:, 1]
+    local_max = torch.where(local_max.isnan(), torch.inf, local_max)
+    row_max = local_max.amax(0)
+    taus = torch.where(local_max.isfinite(), (local_max - row_max) + local_tau, -torch.inf)
+    return row_max, taus.amax(0).clamp_min(-1.0)
+
+
 def _all_done(done):
     """A function that says whether every row is done, reading `done` as of now in stream
     order; on CUDA it waits for that point of the stream only, not for later work."""
@@ -309,11 +326,8 @@ def sharded_forward(x, dim, comm: Collectives, width: int, local=None, ladder=No
     """
     local = _local_work(x, dim) if local is None else local
     ladder = LADDER if ladder is None else ladder
-    row_max = local.row_max()
-    # NaN anywhere makes the row bad, as +inf does: reduce it as +inf (MAX may drop NaNs).
-    row_max = comm.all_reduce(torch.where(row_max.isnan(), torch.inf, row_max), dist.ReduceOp.MAX)
+    row_max, bound = combine(comm.all_gather(local.summary()))
     bad = ~torch.isfinite(row_max)
-    bound = comm.all_reduce(local.bound(row_max), dist.ReduceOp.MAX).clamp_min(-1.0)
     pivot, step, done = bound, torch.zeros_like(bound), bad
     hi = torch.zeros_like(bound)
     centre = torch.zeros_like(bound)  # 1 / the last count: see TorchShard.sums

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparsemax import (PART_MAX, PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP,
+from .sparsemax import (PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP,
                         SplitBackward, SplitRows, _rows, _wide)
 
 
@@ -112,28 +112,16 @@ class TritonShard:
             self.split = SplitRows(x, self.y, self.n_rows, n, inner, x_strides, y_strides,
                                    min(chunk, n), _wide(n, x_strides[2], y_strides[2]), **launch)
 
-    def _part(self, field) -> torch.Tensor:
-        """[rows, chunks]: one field of pass 1's per-chunk results."""
-        return self.split.part.view(self.n_rows, -1, PART_SIZE.value)[..., field.value]
-
-    def row_max(self) -> torch.Tensor:
-        """The rows' maxima over this slice (NaN where it holds one), from pass 1."""
+    def summary(self) -> torch.Tensor:
+        """As TorchShard.summary: pass 1 over the slice, then the row pass over its candidates
+        (no second read of the slice)."""
         if self.split is None:
-            return torch.full((self.n_rows,), -torch.inf, dtype=self.ctype, device=self.y.device)
+            return torch.full((2, self.n_rows), -torch.inf, dtype=self.ctype, device=self.y.device)
         self.split.bounds()
-        return self._part(PART_MAX).amax(-1)
-
-    def bound(self, row_max: torch.Tensor) -> torch.Tensor:
-        """The exact tau of this slice in the whole rows' coordinates (-inf for no finite entry):
-        the tau of a subset of the row, so a lower bound on the row's tau, found by the row pass
-        over the candidates alone (no read of the slice). Tighter than the best chunk's bound:
-        fewer Newton steps, each a collective."""
-        if self.split is None:
-            return torch.full_like(row_max, -torch.inf)
         state = self.split.threshold()
         local_max = state[:, STATE_MAX.value]
-        taus = (local_max - row_max) + (state[:, STATE_PIVOT.value] + state[:, STATE_STEP.value])
-        return torch.where(local_max.isfinite(), taus, -torch.inf)
+        tau = state[:, STATE_PIVOT.value] + state[:, STATE_STEP.value]
+        return torch.stack([local_max, torch.where(local_max.isfinite(), tau, -torch.inf)])
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """As TorchShard.sums, over the candidates: exact at points at or above every chunk's
