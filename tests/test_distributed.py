@@ -206,7 +206,7 @@ def triton_kernels_under_the_interpreter(rank, world):
     xt = make_input((2, 19, 3), 1, torch.float32, seed=3, kind="near_max")
     runs = ((x, [1, 18], 8, dict(chunk=8)),
             (x, [11, 8], 2, dict(chunk=8, group=2, sparse_write=1)),
-            (x, [19, 0], 8, dict(chunk=4, threshold_tile=2, bound_steps=1)),
+            (x, [19, 0], 8, dict(chunk=4, threshold_tile=2)),
             (xt, [0, 19], 4, dict(chunk=8)),
             (adversarial_rows(19, torch.bfloat16)[rows], [9, 10], 8, dict(chunk=8)),
             (adversarial_rows(19, torch.float64)[rows], [9, 10], 2, dict(chunk=4)))

@@ -86,10 +86,10 @@ def test_forward_fp64():
     [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"block_m": 4},
      {"num_warps": 1}, {"num_warps": 2}, {"chunk": 256}, {"chunk": 128, "group": 1},
      {"chunk": 128, "sparse_write": 1}, {"chunk": 128, "threshold_tile": 16},
-     {"chunk": 64, "threshold_tile": 4}, {"chunk": 128, "bound_steps": 1}],
+     {"chunk": 64, "threshold_tile": 4}],
     ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
          "two-warps", "split", "split-no-groups", "split-rereading-chunks",
-         "split-row-tile-per-chunk", "split-row-tile-across-chunks", "split-one-step-bounds"],
+         "split-row-tile-per-chunk", "split-row-tile-across-chunks"],
 )
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 def test_every_launch_path_is_exact(config, dist):

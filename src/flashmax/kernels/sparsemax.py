@@ -60,9 +60,6 @@ SPLIT_MANY_ROWS = 16
 # (benchmarks/NOTES.md, v11): 8192 over 4 warps beat 32768 over 8 (235 registers, one program
 # per SM) by 7-13% from 8 x 1048576 to 512 x 131072.
 SPLIT_BACKWARD_LAUNCH = (8192, 4)
-# Newton steps from -1 towards the tau of a chunk's group maxima, its lower bound in pass 1;
-# 0: to the exact tau.
-SPLIT_BOUND_STEPS = 0
 # A chunk with at most this many candidates writes its outputs without reading its input again.
 SPARSE_WRITE = 1024
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk).
@@ -135,21 +132,6 @@ def _newton_threshold(z, tau):
         pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
                                                    done)
         pending = tl.sum((~done).to(tl.int32), axis=0)
-    return pivot, step
-
-
-@triton.jit
-def _newton_steps(z, tau, STEPS: tl.constexpr):
-    """STEPS Newton steps on each row of a [BLOCK_M, A, B] tile from lower bounds tau: a lower
-    bound (pivot, step) on the threshold, without the loop's test for the exact end."""
-    pivot = tau
-    step = tl.zeros_like(tau)
-    centre = tl.zeros_like(tau)
-    done = tau != tau
-    for _ in tl.static_range(STEPS):
-        total, count, smallest = _step_sums(z, pivot + step, centre)
-        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
-                                                   done)
     return pivot, step
 
 
@@ -281,14 +263,12 @@ def sparsemax_split_bounds_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
-    BOUND_STEPS: tl.constexpr,
 ):
     """Split pass 1, one chunk per program: the chunk's max, the exact tau of its group maxima
-    (BOUND_STEPS = 0) or BOUND_STEPS Newton steps towards it (a lower bound on the row's tau
-    relative to that max), and its candidates: the entries above that bound, a superset of the
-    chunk's part of the row's support. When they fill at most half the chunk, they are stored
-    in the output's chunk (values, then their indices as INDEX bits), so that later passes need
-    not read the chunk again."""
+    (a lower bound on the row's tau relative to that max), and its candidates: the entries
+    above that bound, a superset of the chunk's part of the row's support. When they fill at
+    most half the chunk, they are stored in the output's chunk (values, then their indices as
+    INDEX bits), so that later passes need not read the chunk again."""
     pid = tl.program_id(0)
     row, off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
                                   x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)
@@ -296,11 +276,8 @@ def sparsemax_split_bounds_kernel(
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
     group_max = _group_max(x)
     chunk_max = _row_max(group_max)
-    group_z = tl.expand_dims(group_max - chunk_max[:, None], 1)
-    if BOUND_STEPS == 0:
-        pivot, step = _newton_threshold(group_z, tl.full([1], -1.0, x.dtype))
-    else:
-        pivot, step = _newton_steps(group_z, tl.full([1], -1.0, x.dtype), BOUND_STEPS)
+    pivot, step = _newton_threshold(tl.expand_dims(group_max - chunk_max[:, None], 1),
+                                    tl.full([1], -1.0, x.dtype))
     bound = pivot + step
     # A margin of a few ulps: the later passes compare in the row's coordinates, rounded
     # differently, and must never find a support entry that is not a candidate.
@@ -697,7 +674,7 @@ class SplitRows:
     The keyword arguments override the launch heuristics (benchmarks, tests)."""
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
-                 num_warps=None, sparse_write=None, threshold_tile=None, bound_steps=None):
+                 num_warps=None, sparse_write=None, threshold_tile=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -710,7 +687,6 @@ class SplitRows:
                                                             self.num_warps, group),
                          INDEX=INDEX_TYPE[y.element_size()], WIDE=wide, num_warps=self.num_warps)
         self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
-        self.bound_steps = SPLIT_BOUND_STEPS if bound_steps is None else bound_steps
         tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits,
@@ -721,7 +697,7 @@ class SplitRows:
         """Pass 1: PART (per chunk: max, bound, candidates), and the candidates stored in y."""
         sparsemax_split_bounds_kernel[self.grid](
             self.x, self.y, self.part, self.n_splits, self.n_rows, self.n, self.inner,
-            *self.strides, BOUND_STEPS=self.bound_steps, **self.tile)
+            *self.strides, **self.tile)
 
     def threshold(self) -> torch.Tensor:
         """Pass 2: STATE [rows, STATE_SIZE], each row's max and exact (pivot, step)."""
@@ -749,8 +725,8 @@ class SplitRows:
 
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
-                      bound_steps=None) -> torch.Tensor:
+                      block_m=None, chunk=None, sparse_write=None,
+                      threshold_tile=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -758,8 +734,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     size (at most SPLIT_LAUNCH's), in three passes: the chunks' bounds and candidates, each
     row's tau from them, the outputs.
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
-    reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile;
-    `bound_steps` (default SPLIT_BOUND_STEPS) the Newton steps of a chunk's bound. The
+    reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile. The
     other keyword arguments override the launch heuristics (benchmarks, tests).
     """
     if x.numel() == 0:
@@ -768,7 +743,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
         split = SplitRows(x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
-                          num_warps, sparse_write, threshold_tile, bound_steps)
+                          num_warps, sparse_write, threshold_tile)
         split.bounds()
         split.write(split.threshold())
         return y
