@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _nan_max, _row_offsets, _rows,
-                        _strided, _tile_max, _tile_threshold, _wide, group_size, launch_config,
-                        max_block_n)
+from .sparsemax import (_add_add, _group_max, _is_bad, _load_rows, _load_y_g, _nan_max,
+                        _row_offsets, _rows, _store_rows, _strided, _tile_max, _tile_threshold,
+                        _wide, group_size, launch_config, max_block_n)
 
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
@@ -160,17 +160,14 @@ def entmax15_forward_kernel(
     """BLOCK_M whole rows per program, held in registers: one read, one write."""
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
-    x_off, mask = _row_offsets(block, 0, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                               x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-    x = tl.load(X + x_off, mask=mask, other=-float("inf"))
-    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
+    x, mask = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+                         BLOCK_M, GROUP, WIDTH, WIDE)
     row_max = _tile_max(x)
     z = (x - row_max[:, None, None]) * 0.5
     pivot, step, _ = _entmax_tile_threshold(z, GROUP)
     y = _entmax_tile(z, pivot, step, _is_bad(row_max))
-    y_off, _ = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                            y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+    _store_rows(Y, y, mask, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+                BLOCK_M, GROUP, WIDTH, WIDE)
 
 
 @triton.jit
@@ -262,10 +259,8 @@ def entmax15_backward_kernel(
                            y_stride_outer, y_stride_inner, y_stride_n,
                            g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
     total, norm = _weighted_sums(y, g)
-    dx = _backward_tile(y, g, total / norm)
-    dx_off, _ = _row_offsets(block, 0, n_rows, n, inner, dx_stride_outer, dx_stride_inner,
-                             dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
-    tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
+    _store_rows(DX, _backward_tile(y, g, total / norm), mask, block, n_rows, n, inner,
+                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
 
 
 @triton.jit

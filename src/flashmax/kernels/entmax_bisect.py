@@ -19,8 +19,9 @@ for the max, one per step, one that writes.
 import triton
 import triton.language as tl
 
-from .sparsemax import (_add_add, _is_bad, _load_y_g, _nan_max, _row_offsets, _rows, _strided,
-                        _tile_max, _wide, group_size, launch_config, rows_view)
+from .sparsemax import (_add_add, _is_bad, _load_rows, _load_y_g, _nan_max, _row_offsets, _rows,
+                        _store_rows, _strided, _tile_max, _wide, group_size, launch_config,
+                        rows_view)
 from ..reference_bisect import TOLERANCE_ULPS
 
 _TOLERANCE_ULPS = tl.constexpr(TOLERANCE_ULPS)  # jit functions read only constexpr globals
@@ -157,9 +158,8 @@ def entmax_bisect_forward_kernel(
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
     PTYPE: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    x_off, mask = _row_offsets(block, 0, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                               x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-    x = tl.load(X + x_off, mask=mask, other=-float("inf")).to(PTYPE)
+    x, mask = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+                         BLOCK_M, GROUP, WIDTH, WIDE)
     alpha = _row_alpha(A, block, n_rows, inner, a_stride_outer, a_stride_inner, BLOCK_M)
     row_max = _tile_max(x)
     bad, am1, k, tol, lo, hi = _setup(row_max, alpha, n, tl.float64, PTYPE)
@@ -168,9 +168,8 @@ def entmax_bisect_forward_kernel(
         _, _, lo = _solve(tl.expand_dims(tl.max(z, axis=1), 1), k, tol, lo, hi, bad, n_iter)
     tau_out, sum_out, _ = _solve(z, k, tol, lo, hi, bad, n_iter)
     y = _output_tile(z, tau_out, sum_out, k, bad, ENSURE_SUM_ONE)
-    y_off, _ = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                            y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+    _store_rows(Y, y, mask, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+                BLOCK_M, GROUP, WIDTH, WIDE)
 
 
 @triton.jit
@@ -270,9 +269,8 @@ def entmax_bisect_backward_kernel(
     alpha = _row_alpha(A, block, n_rows, inner, a_stride_outer, a_stride_inner,
                        BLOCK_M).to(compute)
     q, d_alpha = _alpha_gradient(alpha, *_gradient_sums(y, g, alpha))
-    dx_off, _ = _row_offsets(block, 0, n_rows, n, inner, dx_stride_outer, dx_stride_inner,
-                             dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
-    tl.store(DX + dx_off, _gradient_tile(y, g, alpha, q).to(DX.dtype.element_ty), mask=mask)
+    _store_rows(DX, _gradient_tile(y, g, alpha, q), mask, block, n_rows, n, inner,
+                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
     da_off, da_mask = _row_offsets(block, 0, n_rows, 1, inner, da_stride_outer,
                                    da_stride_inner, 0, BLOCK_M, 1, 1, False)
     tl.store(DA + da_off, tl.reshape(d_alpha, [BLOCK_M, 1, 1]).to(DA.dtype.element_ty),

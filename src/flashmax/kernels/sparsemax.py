@@ -202,6 +202,28 @@ def _row_offsets(block, start, n_rows, n, inner, stride_outer, stride_inner, str
 
 
 @triton.jit
+def _load_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+               BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
+               WIDE: tl.constexpr):
+    """BLOCK_M whole rows of X as a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype (fp64
+    stays fp64, the rest become fp32), -inf beyond the rows' ends, and the tile's mask."""
+    off, mask = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+                             BLOCK_M, GROUP, WIDTH, WIDE)
+    x = tl.load(X + off, mask=mask, other=-float("inf"))
+    return x.to(tl.float64 if x.dtype == tl.float64 else tl.float32), mask
+
+
+@triton.jit
+def _store_rows(Y, tile, mask, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+                BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
+                WIDE: tl.constexpr):
+    """A tile laid out as `_load_rows`' into BLOCK_M whole rows of Y, in Y's dtype."""
+    off, _ = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+                          BLOCK_M, GROUP, WIDTH, WIDE)
+    tl.store(Y + off, tile.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def sparsemax_forward_kernel(
     X, Y, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
@@ -212,18 +234,15 @@ def sparsemax_forward_kernel(
     """BLOCK_M whole rows per program, held in registers: one read, one write."""
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
-    x_off, mask = _row_offsets(block, 0, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                               x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-    x = tl.load(X + x_off, mask=mask, other=-float("inf"))
-    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
+    x, mask = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+                         BLOCK_M, GROUP, WIDTH, WIDE)
     group_max = _group_max(x)
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
     pivot, step = _tile_threshold(z, group_max - row_max[:, None], GROUP)
     y = _sparsemax_tile(z, pivot, step, _is_bad(row_max))
-    y_off, _ = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                            y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-    tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+    _store_rows(Y, y, mask, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+                BLOCK_M, GROUP, WIDTH, WIDE)
 
 
 @triton.jit
@@ -509,18 +528,12 @@ def sparsemax_backward_kernel(
     """dx = s * (g - mean of g over s), s = (y > 0): BLOCK_M whole rows per program in
     registers, one read of y and g, one write."""
     block = tl.program_id(0)
-    y_off, mask = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                               y_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
-    g_off, _ = _row_offsets(block, 0, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                            g_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
-    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
-    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    y, g, mask = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
+                           y_stride_outer, y_stride_inner, y_stride_n,
+                           g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
     total, count = _support_sums(y, g)
-    dx = _backward_tile(y, g, total / count)
-    dx_off, _ = _row_offsets(block, 0, n_rows, n, inner, dx_stride_outer, dx_stride_inner,
-                             dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
-    tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
+    _store_rows(DX, _backward_tile(y, g, total / count), mask, block, n_rows, n, inner,
+                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
 
 
 @triton.jit
