@@ -13,17 +13,18 @@ ranks, never the features:
 3. steps from that bound, one collective each for all rows: an all_gather of each rank's
    (sum, count, smallest) of z - t over z > t at `ladder` points t per row, reduced in rank
    order on every rank (identical numbers, so identical decisions on every rank). The points
-   are the Newton point t0 (a lower bound) and a ladder over the bracket [t0, hi], at
-   t0 + (hi - t0) / 2^k up to the midpoint (hi: the lowest point seen with f < 0; at first 0). Each step keeps the highest point with
-   f >= 0, takes the Newton step from it, and lowers hi to the lowest point with f < 0.
+   are the Newton point t0 (a lower bound) and a ladder over the bracket [t0, hi] at
+   t0 + (hi - t0) / 2^k up to the midpoint (hi: the lowest point seen with f < 0; at first 0).
+   Each step keeps the highest point with f >= 0, takes the Newton step from it, and lowers
+   hi to the lowest point with f < 0.
 
 Newton from a lower bound rises monotonically to the exact tau; the smallest entry of the
 support lets the step that lands be recognised final (as on one device). The ladder's points
 cost nothing but a wider collective, and a start nearer tau saves whole steps (each a round
 trip between ranks): from the slices' bound, rows of randn usually end in one or two steps.
-The bracket at least halves per step, and once no float is left inside it the
-Newton step from its lower end is exact: so the steps are capped by the floating-point
-resolution of tau (|tau| >= 1 / width), `max_steps`, and the answer stays exact.
+The bracket at least halves per step, and once no float is left inside it the Newton step from
+its lower end is exact: so the steps are capped by the floating-point resolution of tau
+(|tau| >= 1 / width), `max_steps`, and the answer stays exact.
 
 The local work is pure torch on CPU tensors and Triton kernels on CUDA tensors
 (`flashmax.kernels.distributed`: the single-device split passes, which read the slice once and
