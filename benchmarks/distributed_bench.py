@@ -220,29 +220,31 @@ def run(args, group) -> dict:
     distributed.agree(x_local, -1, comm)
     y_local, steps = distributed.sharded_forward(x_local, 1, comm, args.features)
     g_local = torch.randn_like(y_local)
-    sharded_fwd = _wall_times(
-        lambda: flashmax.sparsemax(x_local, -1, group=group), device, args.reps, group)
+
+    def split_forward():
+        return flashmax.sparsemax(x_local, -1, group=group)
+
+    def split_forward_ms_with(owner, knob, values):
+        """{value: median ms of the split forward with owner.knob = value}, knob restored."""
+        default, times = getattr(owner, knob), {}
+        for value in values:
+            setattr(owner, knob, value)
+            times[value] = median(_wall_times(split_forward, device, args.reps, group)) * 1e3
+        setattr(owner, knob, default)
+        return times
+
+    sharded_fwd = _wall_times(split_forward, device, args.reps, group)
     sharded_bwd = _wall_times(
         lambda: distributed.sharded_backward(y_local, g_local, 1, distributed.Collectives(group)),
         device, args.reps, group)
     comm_fwd = _wall_times(_replay(comm.trace, device, group), device, args.reps, group)
     by_lookahead = {}
-    if args.lookaheads and distributed.kernels is not None and device.type == "cuda":
-        shard, default = distributed.kernels.TritonShard, distributed.kernels.TritonShard.lookahead
-        for lookahead in args.lookaheads:
-            shard.lookahead = lookahead
-            by_lookahead[lookahead] = median(_wall_times(
-                lambda: flashmax.sparsemax(x_local, -1, group=group), device, args.reps,
-                group)) * 1e3
-        shard.lookahead = default
-    by_ladder = {}
-    for ladder in args.ladders:
-        default, distributed.LADDER = distributed.LADDER, ladder
-        by_ladder[ladder] = median(_wall_times(
-            lambda: flashmax.sparsemax(x_local, -1, group=group), device, args.reps, group)) * 1e3
-        distributed.LADDER = default
+    if distributed.kernels is not None and device.type == "cuda":
+        by_lookahead = split_forward_ms_with(distributed.kernels.TritonShard, "lookahead",
+                                             args.lookaheads)
+    by_ladder = split_forward_ms_with(distributed, "LADDER", args.ladders)
     if args.profile:
-        _profile(lambda: flashmax.sparsemax(x_local, -1, group=group), device, group, rank)
+        _profile(split_forward, device, group, rank)
         _step_rates(x_local, device, group, rank)
 
     max_diff = torch.tensor([(y_local.float() - y_ref.float()).abs().max().item()
