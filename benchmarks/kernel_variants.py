@@ -1,4 +1,5 @@
-"""Check and time sparsemax kernel variants on a GPU in one call; a short table last.
+"""Check and time kernel variants of sparsemax (or entmax-1.5, --op) on a GPU in one call; a
+short table last.
 
     python benchmarks/kernel_variants.py [--quick]     (writes $OUT/variants.json when OUT is set)
 
@@ -16,8 +17,10 @@ import statistics
 import torch
 import triton
 
+from flashmax.kernels import entmax as entmax_kernels
 from flashmax.kernels import sparsemax as kernels
 from flashmax.reference import sparsemax_sort
+from flashmax.reference_entmax import entmax15_sort
 
 L2_MULTIPLE_BYTES = 512 * 2**20  # inputs per replay total at least this: ~8x the H200's L2
 
@@ -53,8 +56,13 @@ def gpu_time_us(fn, inputs, replays=15):
     return statistics.median(times), times[len(times) // 5], times[4 * len(times) // 5]
 
 
-def rel_error(y, x):
-    ref = sparsemax_sort(x.double())
+# --op: (kernels module, forward launcher's name, backward launcher's name, fp64 sort oracle)
+OPS = {"sparsemax": (kernels, "sparsemax_forward", "sparsemax_backward", sparsemax_sort),
+       "entmax15": (entmax_kernels, "entmax15_forward", "entmax15_backward", entmax15_sort)}
+
+
+def rel_error(y, x, oracle):
+    ref = oracle(x.double())
     return float((y.double() - ref).norm() / ref.norm())
 
 
@@ -66,7 +74,7 @@ FORWARD_VARIANTS = {
 }
 
 
-def forward_launcher(module, config, rows, n):
+def forward_launcher(module, config, rows, n, name="sparsemax_forward"):
     """The forward of `module` (a kernels module) with a variant's overrides for rows of n."""
     config = dict(config)
     if "warps" in config:
@@ -80,7 +88,7 @@ def forward_launcher(module, config, rows, n):
         config["num_warps"] = int(warps)
 
     def forward(x, out=None):
-        return module.sparsemax_forward(x, 1, out=out, **config)
+        return getattr(module, name)(x, 1, out=out, **config)
     return forward
 
 
@@ -157,6 +165,7 @@ def profile_kernels(shapes, reps=10):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--op", choices=OPS, default="sparsemax")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--end-to-end-only", action="store_true",
                         help="only the eager forward + backward against torch.softmax")
@@ -181,6 +190,7 @@ def main():
     if args.end_to_end_only:
         shapes = []
     baseline = load_module(args.baseline) if args.baseline else None
+    module, forward_name, backward_name, oracle = OPS[args.op]
     records = []
     for rows, n in shapes:
         for dtype in (torch.float32, torch.bfloat16):
@@ -189,24 +199,24 @@ def main():
                 inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
                 floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
                 variants = json.loads(args.variants) if args.variants else FORWARD_VARIANTS
-                if dtype != torch.float32 or (args.shapes and not args.variants_on_shapes):
+                if args.shapes and not args.variants_on_shapes:
                     variants = {"default": {}}
-                launchers = {name: forward_launcher(kernels, config, rows, n)
+                launchers = {name: forward_launcher(module, config, rows, n, forward_name)
                              for name, config in variants.items()}
                 if baseline is not None:
-                    launchers["baseline"] = forward_launcher(baseline, {}, rows, n)
+                    launchers["baseline"] = forward_launcher(baseline, {}, rows, n, forward_name)
                 for name, fwd in launchers.items():
                     if fwd is None:
                         continue
                     y = fwd(inputs[0], out=torch.full_like(inputs[0], float("nan")))
-                    err = rel_error(y, inputs[0])
+                    err = rel_error(y, inputs[0], oracle)
                     med, p20, p80 = gpu_time_us(fwd, inputs)
-                    records.append(dict(mode="forward", variant=name, n=n, rows=rows,
+                    records.append(dict(op=args.op, mode="forward", variant=name, n=n, rows=rows,
                                         dtype=str(dtype)[6:], dist=dist, median_us=med,
                                         p20_us=p20, p80_us=p80, floor_us=floor,
                                         ratio=med / floor, rel_error=err))
                 if dist == "randn":
-                    ys = [kernels.sparsemax_forward(x, 1) for x in inputs]
+                    ys = [getattr(module, forward_name)(x, 1) for x in inputs]
                     gs = [torch.randn_like(x) for x in inputs]
                     pairs = list(zip(ys, gs))
                     backward_variants = {"default": {}}
@@ -214,9 +224,9 @@ def main():
                         backward_variants = json.loads(args.backward_variants)
                     for name, config in backward_variants.items():
                         def backward(p, config=config):
-                            return kernels.sparsemax_backward(p[0], p[1], 1, **config)
+                            return getattr(module, backward_name)(p[0], p[1], 1, **config)
                         med, p20, p80 = gpu_time_us(backward, pairs)
-                        records.append(dict(mode="backward", variant=name, n=n, rows=rows,
+                        records.append(dict(op=args.op, mode="backward", variant=name, n=n, rows=rows,
                                             dtype=str(dtype)[6:], dist=dist, median_us=med,
                                             p20_us=p20, p80_us=p80, floor_us=1.5 * floor,
                                             ratio=med / (1.5 * floor), rel_error=None))
@@ -224,7 +234,7 @@ def main():
                 del inputs
                 torch.cuda.empty_cache()
             print(f"done {rows}x{n} {dtype}", flush=True)
-    if not args.shapes:
+    if not args.shapes and args.op == "sparsemax":
         end_to_end(records, args.tokens)
     if args.profile and args.shapes:
         profile_kernels(shapes)

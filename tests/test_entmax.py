@@ -321,11 +321,15 @@ def test_kernel_forward_matches_oracle(kernels, n, kind, scale, offset):
 
 
 @pytest.mark.parametrize("config", [{"group": 1}, {"group": 4}, {"block_m": 4}, {"chunk": 64},
-                                    {"chunk": 32, "group": 1}],
+                                    {"chunk": 32, "group": 1}, {"programs_per_sm": 1},
+                                    {"programs_per_sm": 1, "block_m": 4}],
                          ids=["no-groups", "four-groups", "four-rows", "streamed",
-                              "streamed-no-groups"])
+                              "streamed-no-groups", "prefetching", "prefetching-four-rows"])
 def test_kernel_every_launch_path(kernels, config):
-    x = make_input((2 * ROWS + 1, 200), -1, torch.float32, seed=10, kind="near_max").to(DEVICE)
+    # More rows than programs, even on a GPU, so the prefetching programs walk several blocks.
+    rows = 2 * ROWS + 1 + (2 * torch.cuda.get_device_properties(0).multi_processor_count * 4
+                           if ON_GPU else 0)
+    x = make_input((rows, 200), -1, torch.float32, seed=10, kind="near_max").to(DEVICE)
     check_against_oracle(kernel_forward(kernels, x, **config), x, -1)
 
 

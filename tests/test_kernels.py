@@ -86,10 +86,10 @@ def test_forward_fp64():
     [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"block_m": 4},
      {"num_warps": 1}, {"num_warps": 2}, {"chunk": 256}, {"chunk": 128, "group": 1},
      {"chunk": 128, "sparse_write": 1}, {"chunk": 128, "threshold_tile": 16},
-     {"chunk": 64, "threshold_tile": 4}],
+     {"chunk": 64, "threshold_tile": 4}, {"programs_per_sm": 1}],
     ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
          "two-warps", "split", "split-no-groups", "split-rereading-chunks",
-         "split-row-tile-per-chunk", "split-row-tile-across-chunks"],
+         "split-row-tile-per-chunk", "split-row-tile-across-chunks", "prefetching"],
 )
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 def test_every_launch_path_is_exact(config, dist):
@@ -119,6 +119,55 @@ def test_chunks_too_full_to_store_candidates(dtype):
     assert torch.equal(y, forward(x, chunk=128, sparse_write=1))
 
 
+@pytest.mark.parametrize("block_m", [1, 4])
+@pytest.mark.parametrize("dist", ["randn", "rand", "masked"])
+def test_prefetching_programs_walk_every_block(block_m, dist):
+    # One program per multiprocessor walks several blocks, the last one partly past the rows.
+    sms = kernels._multiprocessors(torch.device(DEVICE))
+    x = make(dist, block_m * (3 * sms + 1) - 1, 300, seed=20)
+    assert kernels.rows_launch(x, x.shape[0], 300, block_m=block_m, programs_per_sm=1)[4]
+    y = forward(x, block_m=block_m, programs_per_sm=1)
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+    assert torch.equal(y, forward(x, block_m=block_m, programs_per_sm=0))
+
+
+def test_prefetch_heuristic():
+    x = make("randn", 2, 8, seed=21)
+    sms = kernels._multiprocessors(torch.device(DEVICE))
+    for n, prefetch in [(1024, False), (2048, True), (8192, True), (16384, False)]:
+        programs, _, _, warps, fetches = kernels.rows_launch(x, 64 * sms, n, newton=True)
+        assert fetches == prefetch
+        if prefetch:
+            assert programs * warps == kernels.PREFETCH_WARPS_PER_SM * sms
+
+
+@pytest.mark.parametrize("op", ["sparsemax", "entmax15"])
+def test_repeated_calls_match_fresh_launches(op):
+    # On a GPU, calls with the launchers' defaults keep their launch and replay it on later
+    # calls with the same key (flashmax.kernels.launch); a call with `out` never does. Layouts
+    # that differ only in 16-byte alignment, in strides, or by a copy must not share a launch.
+    from flashmax.kernels import entmax
+
+    fwd, bwd = ((kernels.sparsemax_forward, kernels.sparsemax_backward) if op == "sparsemax"
+                else (entmax.entmax15_forward, entmax.entmax15_backward))
+
+    def poisoned(t):
+        return torch.full(t.shape, POISON, dtype=t.dtype, device=t.device)
+
+    n = 1001 if ON_GPU else 101
+    # The second round replays the first round's launches on new values (nothing is kept under
+    # the interpreter, so one round there).
+    for seed in range(2 if ON_GPU else 1):
+        base = make("randn", 2 * ROWS + 2, n, seed=22 + seed)
+        for x in [base[:, :-1], base[:, 1:], base[1:, :-1], base[:, ::2], base[:, :-1].t(),
+                  base.reshape(2, ROWS + 1, n).permute(1, 0, 2)[::2]]:
+            dim = x.dim() - 1
+            y = fwd(x, dim)
+            assert torch.equal(y, fwd(x, dim, out=poisoned(x)))
+            g = make("rand", 1, y.numel(), seed=seed).reshape(y.shape)
+            assert torch.equal(bwd(y, g, dim), bwd(y, g, dim, out=poisoned(y)))
+
+
 def test_short_rows_share_a_program():
     x = make("randn", 3 * ROWS + 5, 16, seed=4)
     assert kernels.launch_config(x.shape[0], 16)[0] > 1
@@ -144,8 +193,9 @@ def test_strided_views(config):
         assert_close_to_oracle(forward(view, dim, **config).cpu(), view.cpu(), dim, rtol=1e-6)
 
 
-@pytest.mark.parametrize("config", [{}, {"chunk": 16}, {"chunk": 16, "sparse_write": 1}],
-                         ids=["in-registers", "split", "split-rereading"])
+@pytest.mark.parametrize("config", [{}, {"programs_per_sm": 1}, {"chunk": 16},
+                                    {"chunk": 16, "sparse_write": 1}],
+                         ids=["in-registers", "prefetching", "split", "split-rereading"])
 def test_bad_rows_are_nan_and_leave_others_alone(config):
     x = make("randn", 6, 40, seed=7)
     x[0, 3] = torch.nan

@@ -20,9 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparsemax import (_add_add, _group_max, _is_bad, _load_rows, _load_y_g, _nan_max,
+from .launch import LaunchCache
+from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _map_rows, _nan_max,
                         _row_offsets, _rows, _store_rows, _strided, _tile_max, _tile_threshold,
-                        _wide, group_size, launch_config, max_block_n)
+                        _wide, group_size, launch_config, launch_gradient_rows, launch_rows,
+                        max_block_n, replay_or_new)
 
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
@@ -150,24 +152,26 @@ def _load_z(X, off, mask, row_max):
 
 
 @triton.jit
+def _entmax15_rows(x, GROUP: tl.constexpr):
+    """entmax-1.5 of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype."""
+    row_max = _tile_max(x)
+    z = (x - row_max[:, None, None]) * 0.5
+    pivot, step, _ = _entmax_tile_threshold(z, GROUP)
+    return _entmax_tile(z, pivot, step, _is_bad(row_max))
+
+
+@triton.jit
 def entmax15_forward_kernel(
     X, Y, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """BLOCK_M whole rows per program, held in registers: one read, one write."""
-    block = tl.program_id(0)
-    WIDTH: tl.constexpr = BLOCK_N // GROUP
-    x, mask = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                         BLOCK_M, GROUP, WIDTH, WIDE)
-    row_max = _tile_max(x)
-    z = (x - row_max[:, None, None]) * 0.5
-    pivot, step, _ = _entmax_tile_threshold(z, GROUP)
-    y = _entmax_tile(z, pivot, step, _is_bad(row_max))
-    _store_rows(Y, y, mask, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
-                BLOCK_M, GROUP, WIDTH, WIDE)
+    """Whole rows held in registers (`_map_rows`)."""
+    _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+              y_stride_outer, y_stride_inner, y_stride_n, _entmax15_rows,
+              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH)
 
 
 @triton.jit
@@ -255,11 +259,11 @@ def entmax15_backward_kernel(
 ):
     """dx = s g - (sum(s g) / sum(s)) s, s = sqrt(y): BLOCK_M whole rows per program."""
     block = tl.program_id(0)
-    y, g, mask = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
-                           y_stride_outer, y_stride_inner, y_stride_n,
-                           g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
+    y, g, _ = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
+                         y_stride_outer, y_stride_inner, y_stride_n,
+                         g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
     total, norm = _weighted_sums(y, g)
-    _store_rows(DX, _backward_tile(y, g, total / norm), mask, block, n_rows, n, inner,
+    _store_rows(DX, _backward_tile(y, g, total / norm), block, n_rows, n, inner,
                 dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
 
 
@@ -353,57 +357,62 @@ def loss_kernel(
         tl.store(OUT + rows, loss.to(OUT.dtype.element_ty), mask=rows < n_rows)
 
 
-def _launch(forward_kernel, streamed_kernel, x, dim, out, group, num_warps, block_m, chunk):
-    if x.numel() == 0:
-        return x.new_empty(x.shape) if out is None else out
-    y, x, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
-    wide = _wide(n, x_strides[2], y_strides[2])
-    if n > chunk:
-        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
-        group = group_size(block_n, x.element_size(), num_warps, group)
-        streamed_kernel[(n_rows,)](
-            x, y, n_rows, n, inner, *x_strides, *y_strides,
-            CHUNK=block_n, GROUP=group, WIDE=wide, num_warps=num_warps,
-        )
-        return y
-    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
-    group = group_size(block_n, x.element_size(), num_warps, group)
-    forward_kernel[(-(-n_rows // block_m),)](
-        x, y, n_rows, n, inner, *x_strides, *y_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide, num_warps=num_warps,
-    )
-    return y
+FORWARD_LAUNCHES = LaunchCache(entmax15_forward_kernel)
+BACKWARD_LAUNCHES = LaunchCache(entmax15_backward_kernel)
 
 
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                     block_m=None, chunk=None) -> torch.Tensor:
+                     block_m=None, chunk=None, programs_per_sm=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
-    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks. The
-    other keyword arguments override the launch heuristics (for benchmarks and tests).
+    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks.
+    `programs_per_sm` as in `rows_launch`. The other keyword arguments override the launch
+    heuristics (for benchmarks and tests).
     """
-    return _launch(entmax15_forward_kernel, entmax15_forward_streamed_kernel, x, dim, out,
-                   group, num_warps, block_m, chunk)
+    new, key = replay_or_new(FORWARD_LAUNCHES, out is None and group is None and num_warps is None
+                             and block_m is None and chunk is None and programs_per_sm is None,
+                             dim, x)
+    if new is not None:
+        if key is None:
+            return new
+        out = new
+    if x.numel() == 0:
+        return x.new_empty(x.shape) if out is None else out
+    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
+    wide = _wide(n, x_strides[2], y_strides[2])
+    if n > chunk:
+        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
+        entmax15_forward_streamed_kernel[(n_rows,)](
+            rows, y, n_rows, n, inner, *x_strides, *y_strides, CHUNK=block_n,
+            GROUP=group_size(block_n, rows.element_size(), num_warps, group), WIDE=wide,
+            num_warps=num_warps)
+        return y
+    launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
+                x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm)
+    return y
 
 
 def entmax15_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
                       block_m=None, chunk=None) -> torch.Tensor:
     """Launch the backward kernel into `out`, as `entmax15_forward` does."""
+    new, key = replay_or_new(BACKWARD_LAUNCHES, out is None and num_warps is None
+                             and block_m is None and chunk is None, dim, y, grad)
+    if new is not None:
+        if key is None:
+            return new
+        out = new
     if y.numel() == 0:
         return y.new_empty(y.shape) if out is None else out
-    dx, y, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
-    grad, (_, _, g_strides) = _strided(grad, dim)
-    args = (y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides)
-    wide = _wide(n, y_strides[2], g_strides[2], dx_strides[2])
-    if n > chunk:
+    if y.shape[dim] > (max_block_n(y.dtype) if chunk is None else chunk):
+        dx, y, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
+        grad, (_, _, g_strides) = _strided(grad, dim)
         _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
         entmax15_backward_streamed_kernel[(n_rows,)](
-            *args, CHUNK=block_n, WIDE=wide, num_warps=num_warps)
+            y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides, CHUNK=block_n,
+            WIDE=_wide(n, y_strides[2], g_strides[2], dx_strides[2]), num_warps=num_warps)
         return dx
-    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
-    entmax15_backward_kernel[(-(-n_rows // block_m),)](
-        *args, BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, num_warps=num_warps)
-    return dx
+    return launch_gradient_rows(BACKWARD_LAUNCHES, key, y, grad, dim, out, chunk, num_warps,
+                                block_m)
 
 
 def loss_fits(n: int, dtype: torch.dtype, chunk=None) -> bool:

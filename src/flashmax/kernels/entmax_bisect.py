@@ -158,8 +158,8 @@ def entmax_bisect_forward_kernel(
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
     PTYPE: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    x, mask = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                         BLOCK_M, GROUP, WIDTH, WIDE)
+    x = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+                   BLOCK_M, GROUP, WIDTH, WIDE)
     alpha = _row_alpha(A, block, n_rows, inner, a_stride_outer, a_stride_inner, BLOCK_M)
     row_max = _tile_max(x)
     bad, am1, k, tol, lo, hi = _setup(row_max, alpha, n, tl.float64, PTYPE)
@@ -168,7 +168,7 @@ def entmax_bisect_forward_kernel(
         _, _, lo = _solve(tl.expand_dims(tl.max(z, axis=1), 1), k, tol, lo, hi, bad, n_iter)
     tau_out, sum_out, _ = _solve(z, k, tol, lo, hi, bad, n_iter)
     y = _output_tile(z, tau_out, sum_out, k, bad, ENSURE_SUM_ONE)
-    _store_rows(Y, y, mask, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+    _store_rows(Y, y, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
                 BLOCK_M, GROUP, WIDTH, WIDE)
 
 
@@ -263,13 +263,13 @@ def entmax_bisect_backward_kernel(
     """The entmax package's gradients w.r.t. x and α: BLOCK_M whole rows per program."""
     block = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
-    y, g, mask = _load_y_g(Yp, G, block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                           y_stride_n, g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M,
-                           BLOCK_N, WIDE)
+    y, g, _ = _load_y_g(Yp, G, block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                         y_stride_n, g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M,
+                         BLOCK_N, WIDE)
     alpha = _row_alpha(A, block, n_rows, inner, a_stride_outer, a_stride_inner,
                        BLOCK_M).to(compute)
     q, d_alpha = _alpha_gradient(alpha, *_gradient_sums(y, g, alpha))
-    _store_rows(DX, _gradient_tile(y, g, alpha, q), mask, block, n_rows, n, inner,
+    _store_rows(DX, _gradient_tile(y, g, alpha, q), block, n_rows, n, inner,
                 dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
     da_off, da_mask = _row_offsets(block, 0, n_rows, 1, inner, da_stride_outer,
                                    da_stride_inner, 0, BLOCK_M, 1, 1, False)

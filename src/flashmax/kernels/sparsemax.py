@@ -26,9 +26,13 @@ slice of rows split across ranks (`flashmax.distributed`) runs the same passes, 
 steps are taken across ranks, each a launch of the sums kernel over the candidates.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from .launch import LaunchCache, tensor_key
 
 # Rows up to this many entries are held in one program's registers; longer rows are split into
 # chunks of this size (several passes over memory, but no host synchronisation).
@@ -41,6 +45,14 @@ ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer
 # H200 (benchmarks/NOTES.md, v8): faster below 256 entries, slower at 256.
 SHORT_ROW = 256
 SHORT_ROW_ENTRIES_PER_THREAD = 16
+# Rows of PREFETCH_ROWS entries fit a program's registers twice at 64 entries a thread, so each
+# program can walk several blocks and load the next before searching this one's threshold;
+# at ~255 registers a thread, PREFETCH_WARPS_PER_SM warps fill a multiprocessor's register file.
+# Measured on an H200 (benchmarks/NOTES.md, v12): 8-14% faster from 2048 to 8192 entries, mixed
+# at 16384, and 32768 spills.
+PREFETCH_ROWS = (2048, 8192)
+PREFETCH_ENTRIES_PER_THREAD = 64
+PREFETCH_WARPS_PER_SM = 8
 # Rows longer than one program's registers are split over programs, one chunk each, that
 # communicate through a small scratch: per chunk PART_SIZE values, per row STATE_SIZE. Programs
 # are numbered row * n_splits + split.
@@ -202,25 +214,81 @@ def _row_offsets(block, start, n_rows, n, inner, stride_outer, stride_inner, str
 
 
 @triton.jit
-def _load_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
-               BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
-               WIDE: tl.constexpr):
-    """BLOCK_M whole rows of X as a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype (fp64
-    stays fp64, the rest become fp32), -inf beyond the rows' ends, and the tile's mask."""
+def _load_raw_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+                   BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
+                   WIDE: tl.constexpr):
+    """BLOCK_M whole rows of X as a [BLOCK_M, GROUP, WIDTH] tile in X's dtype, -inf beyond the
+    rows' ends (rows at or past n_rows are not read)."""
     off, mask = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                              BLOCK_M, GROUP, WIDTH, WIDE)
-    x = tl.load(X + off, mask=mask, other=-float("inf"))
-    return x.to(tl.float64 if x.dtype == tl.float64 else tl.float32), mask
+    return tl.load(X + off, mask=mask, other=-float("inf"))
 
 
 @triton.jit
-def _store_rows(Y, tile, mask, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+def _compute_dtype(x):
+    """fp64 stays fp64, the rest become fp32."""
+    return x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
+
+
+@triton.jit
+def _load_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+               BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
+               WIDE: tl.constexpr):
+    """`_load_raw_rows` in the compute dtype."""
+    return _compute_dtype(_load_raw_rows(X, block, n_rows, n, inner, stride_outer, stride_inner,
+                                         stride_n, BLOCK_M, GROUP, WIDTH, WIDE))
+
+
+@triton.jit
+def _store_rows(Y, tile, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                 BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
                 WIDE: tl.constexpr):
     """A tile laid out as `_load_rows`' into BLOCK_M whole rows of Y, in Y's dtype."""
-    off, _ = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
-                          BLOCK_M, GROUP, WIDTH, WIDE)
+    off, mask = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
+                             BLOCK_M, GROUP, WIDTH, WIDE)
     tl.store(Y + off, tile.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sparsemax_rows(x, GROUP: tl.constexpr):
+    """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype."""
+    group_max = _group_max(x)
+    row_max = _row_max(group_max)
+    z = x - row_max[:, None, None]
+    pivot, step = _tile_threshold(z, group_max - row_max[:, None], GROUP)
+    return _sparsemax_tile(z, pivot, step, _is_bad(row_max))
+
+
+@triton.jit
+def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+              y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+              WIDE: tl.constexpr, PREFETCH: tl.constexpr):
+    """Y = ROWS_FN(X tile, GROUP), BLOCK_M whole rows at a time held in registers: one read,
+    one write.
+
+    Without PREFETCH a program does one block. With it, program p does blocks p, p + programs,
+    ... and issues the next block's load before working on this one: when all blocks fit in
+    about one wave, the programs would otherwise all load, then all compute with memory idle,
+    then all store.
+    """
+    block = tl.program_id(0)
+    WIDTH: tl.constexpr = BLOCK_N // GROUP
+    x = _load_raw_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+                       BLOCK_M, GROUP, WIDTH, WIDE)
+    if PREFETCH:
+        programs = tl.num_programs(0)
+        for next_block in tl.range(block + programs, tl.cdiv(n_rows, BLOCK_M) + programs,
+                                   programs, num_stages=1):
+            x_next = _load_raw_rows(X, next_block, n_rows, n, inner, x_stride_outer,
+                                    x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+            _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP), block, n_rows, n, inner,
+                        y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+            x = x_next
+            block = next_block
+    else:
+        _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP), block, n_rows, n, inner,
+                    y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
 
 
 @triton.jit
@@ -229,20 +297,12 @@ def sparsemax_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """BLOCK_M whole rows per program, held in registers: one read, one write."""
-    block = tl.program_id(0)
-    WIDTH: tl.constexpr = BLOCK_N // GROUP
-    x, mask = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                         BLOCK_M, GROUP, WIDTH, WIDE)
-    group_max = _group_max(x)
-    row_max = _row_max(group_max)
-    z = x - row_max[:, None, None]
-    pivot, step = _tile_threshold(z, group_max - row_max[:, None], GROUP)
-    y = _sparsemax_tile(z, pivot, step, _is_bad(row_max))
-    _store_rows(Y, y, mask, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
-                BLOCK_M, GROUP, WIDTH, WIDE)
+    """Whole rows held in registers (`_map_rows`)."""
+    _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+              y_stride_outer, y_stride_inner, y_stride_n, _sparsemax_rows,
+              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH)
 
 
 @triton.jit
@@ -528,11 +588,11 @@ def sparsemax_backward_kernel(
     """dx = s * (g - mean of g over s), s = (y > 0): BLOCK_M whole rows per program in
     registers, one read of y and g, one write."""
     block = tl.program_id(0)
-    y, g, mask = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
-                           y_stride_outer, y_stride_inner, y_stride_n,
-                           g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
+    y, g, _ = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
+                         y_stride_outer, y_stride_inner, y_stride_n,
+                         g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
     total, count = _support_sums(y, g)
-    _store_rows(DX, _backward_tile(y, g, total / count), mask, block, n_rows, n, inner,
+    _store_rows(DX, _backward_tile(y, g, total / count), block, n_rows, n, inner,
                 dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
 
 
@@ -737,9 +797,65 @@ class SplitRows:
             *self.strides, SPARSE=self.sparse, **self.tile)
 
 
+FORWARD_LAUNCHES = LaunchCache(sparsemax_forward_kernel)
+BACKWARD_LAUNCHES = LaunchCache(sparsemax_backward_kernel)
+
+
+@functools.lru_cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
+                newton=False):
+    """(programs, BLOCK_M, BLOCK_N, num_warps, PREFETCH) of a `_map_rows` kernel over rows of x.
+    programs_per_sm: None for the heuristic (prefetching for widths in PREFETCH_ROWS), 0 for one
+    program per block, else that many programs per multiprocessor (one multiprocessor off CUDA)
+    walking the blocks."""
+    block_n = _next_power_of_2(n)
+    if programs_per_sm is None:
+        programs_per_sm = 0
+        if block_m is None and PREFETCH_ROWS[0] <= block_n <= PREFETCH_ROWS[1]:
+            if num_warps is None:
+                num_warps = block_n // (32 * PREFETCH_ENTRIES_PER_THREAD)
+            programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps)
+    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton)
+    blocks = -(-n_rows // block_m)
+    programs = blocks
+    if programs_per_sm:
+        programs = min(blocks, programs_per_sm * _multiprocessors(x.device))
+    return programs, block_m, block_n, num_warps, programs < blocks
+
+
+def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
+                group=None, num_warps=None, block_m=None, programs_per_sm=None, newton=False):
+    """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices, kept under key."""
+    programs, block_m, block_n, num_warps, prefetch = rows_launch(
+        x, n_rows, n, num_warps, block_m, programs_per_sm, newton)
+    launches.launch(key, (programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides), dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group_size(block_n, x.element_size(), num_warps,
+                                                           group),
+        WIDE=wide, PREFETCH=prefetch, num_warps=num_warps))
+
+
+def replay_or_new(launches: LaunchCache, defaults: bool, dim: int, *tensors):
+    """(output, key): with the launchers' defaults (no out, no overrides), a new output for
+    tensors[0]'s shape and dtype, already computed if a launch was kept for this key (output,
+    None), else to be computed and kept (output, key); otherwise (None, None)."""
+    if not defaults:
+        return None, None
+    key = (dim, *tensor_key(*tensors))
+    out = torch.empty(tensors[0].shape, dtype=tensors[0].dtype, device=tensors[0].device)
+    if launches.replay(key, *tensors, out):
+        return out, None
+    return out, key
+
+
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                      block_m=None, chunk=None, sparse_write=None,
-                      threshold_tile=None) -> torch.Tensor:
+                      block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
+                      programs_per_sm=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -747,26 +863,30 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     size (at most SPLIT_LAUNCH's), in three passes: the chunks' bounds and candidates, each
     row's tau from them, the outputs.
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
-    reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile. The
-    other keyword arguments override the launch heuristics (benchmarks, tests).
+    reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile.
+    `programs_per_sm` as in `rows_launch`. The other keyword arguments override the launch
+    heuristics (benchmarks, tests).
     """
+    new, key = replay_or_new(FORWARD_LAUNCHES, out is None and group is None and num_warps is None
+                             and block_m is None and chunk is None and sparse_write is None
+                             and threshold_tile is None and programs_per_sm is None, dim, x)
+    if new is not None:
+        if key is None:
+            return new
+        out = new
     if x.numel() == 0:
         return x.new_empty(x.shape) if out is None else out
-    y, x, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
+    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
-        split = SplitRows(x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
+        split = SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
                           num_warps, sparse_write, threshold_tile)
         split.bounds()
         split.write(split.threshold())
         return y
-    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton=True)
-    group = group_size(block_n, x.element_size(), num_warps, group)
-    sparsemax_forward_kernel[(-(-n_rows // block_m),)](
-        x, y, n_rows, n, inner, *x_strides, *y_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide,
-        num_warps=num_warps,
-    )
+    launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
+                x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
+                newton=True)
     return y
 
 
@@ -806,19 +926,36 @@ class SplitBackward:
         return self.dx
 
 
+def launch_gradient_rows(launches: LaunchCache, key, y, grad, dim, out, chunk, num_warps,
+                         block_m) -> torch.Tensor:
+    """Launch a backward kernel over whole rows in registers, (Y, G, DX, rows, strides, BLOCK_M,
+    BLOCK_N, WIDE), into out (new if None); kept under key unless y or grad had to be copied."""
+    dx, y_rows, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
+    g_rows, (_, _, g_strides) = _strided(grad, dim)
+    if y_rows is not y or g_rows is not grad:
+        key = None
+    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
+    launches.launch(key, (-(-n_rows // block_m),), (y_rows, g_rows, dx),
+                    (n_rows, n, inner, *y_strides, *g_strides, *dx_strides),
+                    dict(BLOCK_M=block_m, BLOCK_N=block_n,
+                         WIDE=_wide(n, y_strides[2], g_strides[2], dx_strides[2]),
+                         num_warps=num_warps))
+    return dx
+
+
 def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
                        block_m=None, chunk=None) -> torch.Tensor:
     """Launch the backward kernel into `out`, as `sparsemax_forward` does."""
+    new, key = replay_or_new(BACKWARD_LAUNCHES, out is None and num_warps is None
+                             and block_m is None and chunk is None, dim, y, grad)
+    if new is not None:
+        if key is None:
+            return new
+        out = new
     if y.numel() == 0:
         return y.new_empty(y.shape) if out is None else out
     if y.shape[dim] > (max_block_n(y.dtype) if chunk is None else chunk):
         split = SplitBackward(y, grad, dim, out, chunk, num_warps)
         return split.write(split.sums(), split.n_splits)
-    dx, y, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
-    grad, (_, _, g_strides) = _strided(grad, dim)
-    wide = _wide(n, y_strides[2], g_strides[2], dx_strides[2])
-    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
-    sparsemax_backward_kernel[(-(-n_rows // block_m),)](
-        y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, num_warps=num_warps)
-    return dx
+    return launch_gradient_rows(BACKWARD_LAUNCHES, key, y, grad, dim, out, chunk, num_warps,
+                                block_m)

@@ -1,0 +1,69 @@
+"""Where the host time of an eager sparsemax call goes (exploration; prints a table)."""
+import statistics
+import time
+
+import torch
+import triton
+
+import flashmax
+from flashmax.kernels import sparsemax as kernels
+
+
+def host_us(fn, reps=200):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main():
+    x = torch.randn(2048, 1024, device="cuda", requires_grad=True)
+    xd = x.detach()
+    y = torch.empty_like(xd)
+    block_m, block_n, warps = kernels.launch_config(2048, 1024, newton=True)
+    group = kernels.group_size(block_n, 4, warps)
+    args = (xd, y, 2048, 1024, 1, 1024, 1, 1, 1024, 1, 1)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=False, PREFETCH=False)
+    grid = (2048 // block_m,)
+    compiled = kernels.sparsemax_forward_kernel[grid](*args, **meta, num_warps=warps)
+    stream = torch.cuda.current_stream().cuda_stream
+    full_args = (*args, *meta.values())
+    from triton import knobs
+
+    def direct():
+        compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None,
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full_args)
+
+    def step(op):
+        def run():
+            out = op(x)
+            torch.autograd.grad(out, x, out)
+        return run
+
+    rows = {
+        "torch.empty_like": lambda: torch.empty_like(xd),
+        "x.clone()": lambda: xd.clone(),
+        "jit launch, args ready": lambda: kernels.sparsemax_forward_kernel[grid](
+            *args, **meta, num_warps=warps),
+        "compiled.run, args ready": direct,
+        "kernels.sparsemax_forward": lambda: kernels.sparsemax_forward(xd, 1),
+        "flashmax.sparsemax (no grad)": lambda: flashmax.sparsemax(xd),
+        "flashmax.sparsemax (grad)": lambda: flashmax.sparsemax(x),
+        "kernels.sparsemax_backward": lambda: kernels.sparsemax_backward(y, xd, 1),
+        "torch.softmax (grad)": lambda: torch.softmax(x, -1),
+        "softmax fwd+bwd": step(lambda t: torch.softmax(t, -1)),
+        "sparsemax fwd+bwd": step(flashmax.sparsemax),
+    }
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    for name, fn in rows.items():
+        print(f"{name:32} {host_us(fn):8.1f} us host")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Kernel launches that skip Triton's per-call argument handling once a call's plan is known.
+
+`kernel[grid](*args)` binds and specialises every argument in Python on each call: ~25 µs of
+host time on an H200's host, where the compiled kernel's own launcher takes ~9 µs
+(benchmarks/NOTES.md, v13), about as long as a whole small sparsemax takes on the GPU.
+A `LaunchCache` keeps, per key, the compiled kernel that a launch chose with its grid and
+scalar arguments, and `replay` launches it on new tensors directly. The key is the caller's
+promise that everything the launch was derived from is in it: `tensor_key` covers the shapes,
+strides, dtypes, 16-byte alignment (which Triton specialises on) and device of the tensors.
+Under TRITON_INTERPRET=1 a launch returns no compiled kernel, so nothing is kept.
+"""
+
+import triton
+from triton.compiler import CompiledKernel
+
+MAX_PLANS = 4096  # distinct keys kept per kernel; then the cache starts over
+
+
+def tensor_key(*tensors) -> tuple:
+    """What a launch over these tensors (all on one device) may depend on, besides the
+    caller's own arguments."""
+    return (tensors[0].get_device(),
+            *((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
+
+
+class LaunchCache:
+    """Launches of one Triton kernel whose tensor arguments come first."""
+
+    def __init__(self, kernel: triton.JITFunction):
+        self.kernel = kernel
+        self.plans = {}
+
+    def launch(self, key, grid, tensors, scalars, options) -> None:
+        """kernel[grid](*tensors, *scalars, **options); kept for `replay` under key (None:
+        not kept), unless the tensors' own data is the only thing that may differ next time."""
+        compiled = self.kernel[grid](*tensors, *scalars, **options)
+        if key is None or not isinstance(compiled, CompiledKernel):
+            return
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.clear()
+        # The compiled launcher takes every parameter in order, constexprs included.
+        named = self.kernel.arg_names[len(tensors) + len(scalars):]
+        constexprs = tuple(options[name] for name in named)
+        grid3 = (*grid, 1, 1)[:3]
+        self.plans[key] = (compiled[grid3], (*scalars, *constexprs))
+
+    def replay(self, key, *tensors) -> bool:
+        """Launch the plan kept under key on these tensors; False if there is none."""
+        plan = self.plans.get(key)
+        if plan is None:
+            return False
+        run, scalars = plan
+        run(*tensors, *scalars)
+        return True
