@@ -1,4 +1,6 @@
-"""Where the host time of an eager sparsemax call goes (exploration; prints a table)."""
+"""Where the host time of an eager sparsemax call goes, at 2048 x 1024 fp32: median host
+time per call (not synchronised) of each layer, from a bare launch to forward + backward through
+autograd, next to torch.softmax and an autograd.Function that only clones. Prints a table."""
 import statistics
 import time
 
@@ -40,6 +42,17 @@ def main():
         compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None,
                      knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full_args)
 
+    class CloneFunction(torch.autograd.Function):
+        """The least a Python autograd op can cost: one clone each way."""
+
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.clone()
+
     def step(op):
         def run():
             out = op(x)
@@ -59,6 +72,8 @@ def main():
         "torch.softmax (grad)": lambda: torch.softmax(x, -1),
         "softmax fwd+bwd": step(lambda t: torch.softmax(t, -1)),
         "sparsemax fwd+bwd": step(flashmax.sparsemax),
+        "entmax15 fwd+bwd": step(flashmax.entmax15),
+        "autograd.Function(clone) fwd+bwd": step(CloneFunction.apply),
     }
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     for name, fn in rows.items():
