@@ -2,6 +2,7 @@
 time per call (not synchronised) of each layer, from a bare launch to forward + backward through
 autograd, next to torch.softmax and an autograd.Function that only clones. Prints a table."""
 import statistics
+import sys
 import time
 
 import torch
@@ -76,6 +77,14 @@ def main():
         "autograd.Function(clone) fwd+bwd": step(CloneFunction.apply),
     }
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    if "--profile" in sys.argv:  # where the host time of forward + backward goes, by Python call
+        step_fn = rows["sparsemax fwd+bwd"]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    with_stack=True) as prof:
+            for _ in range(50):
+                step_fn()
+        print(prof.key_averages(group_by_stack_n=3).table(sort_by="self_cpu_time_total",
+                                                          row_limit=25, max_name_column_width=60))
     for name, fn in rows.items():
         print(f"{name:32} {host_us(fn):8.1f} us host")
 
