@@ -31,8 +31,8 @@ class LaunchCache:
         self.plans = {}
 
     def launch(self, key, grid, tensors, scalars, options) -> None:
-        """kernel[grid](*tensors, *scalars, **options); kept for `replay` under key (None:
-        not kept), unless the tensors' own data is the only thing that may differ next time."""
+        """kernel[grid](*tensors, *scalars, **options), kept for `replay` under key (unless
+        key is None)."""
         compiled = self.kernel[grid](*tensors, *scalars, **options)
         if key is None or not isinstance(compiled, CompiledKernel):
             return
