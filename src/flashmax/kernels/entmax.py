@@ -26,6 +26,9 @@ from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _map_rows, _na
                         _wide, group_size, launch_config, launch_gradient_rows, launch_rows,
                         max_block_n, replay_or_new)
 
+# Widths whose forward prefetches (`rows_launch`): sparsemax's and 1024, where entmax-1.5's
+# heavier arithmetic gains 8-14% from one row a program over 8 programs a SM (NOTES, v12).
+PREFETCH_ROWS = (1024, 8192)
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
 # A closed form is final only from sums that drifted little: |sum(d^2 - centre)| sqrt(count) at
@@ -388,7 +391,8 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
             num_warps=num_warps)
         return y
     launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
-                x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm)
+                x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
+                prefetch_rows=PREFETCH_ROWS)
     return y
 
 

@@ -49,7 +49,7 @@ SHORT_ROW_ENTRIES_PER_THREAD = 16
 # program can walk several blocks and load the next before searching this one's threshold;
 # at ~255 registers a thread, PREFETCH_WARPS_PER_SM warps fill a multiprocessor's register file.
 # Measured on an H200 (benchmarks/NOTES.md, v12): 8-14% faster from 2048 to 8192 entries, mixed
-# at 16384, and 32768 spills.
+# at 1024 (one row a program instead of two) and 16384, and 32768 spills.
 PREFETCH_ROWS = (2048, 8192)
 PREFETCH_ENTRIES_PER_THREAD = 64
 PREFETCH_WARPS_PER_SM = 8
@@ -809,17 +809,18 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
-                newton=False):
+                newton=False, prefetch_rows=PREFETCH_ROWS):
     """(programs, BLOCK_M, BLOCK_N, num_warps, PREFETCH) of a `_map_rows` kernel over rows of x.
-    programs_per_sm: None for the heuristic (prefetching for widths in PREFETCH_ROWS), 0 for one
-    program per block, else that many programs per multiprocessor (one multiprocessor off CUDA)
-    walking the blocks."""
+    programs_per_sm: None for the heuristic (one row a program, prefetching, for widths in
+    prefetch_rows), 0 for one program per block, else that many programs per multiprocessor
+    (one multiprocessor off CUDA) walking the blocks."""
     block_n = _next_power_of_2(n)
     if programs_per_sm is None:
         programs_per_sm = 0
-        if block_m is None and PREFETCH_ROWS[0] <= block_n <= PREFETCH_ROWS[1]:
+        if block_m is None and prefetch_rows[0] <= block_n <= prefetch_rows[1]:
+            block_m = 1
             if num_warps is None:
-                num_warps = block_n // (32 * PREFETCH_ENTRIES_PER_THREAD)
+                num_warps = max(1, block_n // (32 * PREFETCH_ENTRIES_PER_THREAD))
             programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps)
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton)
     blocks = -(-n_rows // block_m)
@@ -830,10 +831,11 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
 
 
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
-                group=None, num_warps=None, block_m=None, programs_per_sm=None, newton=False):
+                group=None, num_warps=None, block_m=None, programs_per_sm=None, newton=False,
+                prefetch_rows=PREFETCH_ROWS):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices, kept under key."""
     programs, block_m, block_n, num_warps, prefetch = rows_launch(
-        x, n_rows, n, num_warps, block_m, programs_per_sm, newton)
+        x, n_rows, n, num_warps, block_m, programs_per_sm, newton, prefetch_rows)
     launches.launch(key, (programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides), dict(
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group_size(block_n, x.element_size(), num_warps,
                                                            group),
