@@ -27,6 +27,8 @@ import torch.distributed as dist
 import flashmax
 from flashmax import distributed
 from oracle import oracle
+from flashmax import reference_entmax
+from test_entmax import check_against_oracle as check_against_entmax15_oracle
 from test_sparsemax import (assert_bitwise_equal, check_against_oracle, check_grad, expected_grad,
                             make_input)
 
@@ -308,6 +310,78 @@ def disagreement_is_an_error_on_every_rank(rank, world):
         if error is ValueError and what not in ("int dtype", "dim out of range", "not a tensor"):
             assert "rank 0" in str(raised.value) and f"rank {world - 1}" in str(raised.value)
         check_split(whole_good, 1, splits(6, world)[0], f"after {what}", grad=False)
+
+
+def check_entmax15_split(x: torch.Tensor, dim: int, widths, what: str):
+    """`check_split` for entmax-1.5: the gradient against dx = s g - (sum(s g) / sum(s)) s in
+    float64 on the gathered y."""
+    x_local = my_slice(x, dim, widths).requires_grad_()
+    y_local = flashmax.entmax15(x_local, dim, group=WORLD)
+    assert y_local.shape == x_local.shape and y_local.is_contiguous(), what
+    y = whole(y_local, dim)
+    g = make_input(x.shape, dim, x.dtype, seed=7)
+    y_local.backward(my_slice(g, dim, widths))
+    want = reference_entmax.entmax15_backward(y.double().movedim(dim, -1),
+                                              g.double().movedim(dim, -1)).movedim(-1, dim)
+    dx = whole(x_local.grad, dim)
+    nan = want.isnan()  # NaN rows (a NaN or +inf entry, or all -inf): NaN gradients
+    try:
+        check_against_entmax15_oracle(y, x, dim)
+        assert bool(dx[nan].isnan().all()), "a NaN row's gradient is not NaN"
+        check_grad(dx[~nan], want[~nan], g, what)
+    except AssertionError as error:
+        raise AssertionError(f"{what}: {error}") from None
+
+
+@case(*ALL)
+def entmax15_every_dim_dtype_and_split(rank, world):
+    halves = (torch.bfloat16,) if world == 2 else ()
+    kinds = (("randn", 1), ("near_max", 3)) if world == 2 else (("ties", 2),)
+    chosen_splits = splits(23, world) if world == 2 else splits(23, world)[1::2]
+    for dtype in (torch.float32, torch.float64, *halves):
+        for dim in range(3):
+            shape = [3, 4, 2]
+            shape[dim] = 23
+            for kind, seed in kinds:
+                x = make_input(shape, dim, dtype, seed=seed + 10 * dim, kind=kind, mask_p=0.2)
+                for widths in chosen_splits:
+                    check_entmax15_split(x, dim, widths,
+                                         f"{dtype} dim={dim} {kind} widths={widths}")
+
+
+@case(*ALL)
+def entmax15_adversarial_rows(rank, world):
+    for dtype in (torch.float32, torch.float64):
+        for n in (5, 64):
+            x = adversarial_rows(n, dtype)
+            for widths in splits(n, world):
+                check_entmax15_split(x, 1, widths, f"{dtype} n={n} widths={widths}")
+
+
+@case("gloo-2", "nccl-2")
+def entmax15_steps_contract_and_errors(rank, world):
+    """Per-row scalars only (one collective for the bound, one per step, few steps); a group
+    of one is the plain call; ranks that disagree all raise; a double backward raises."""
+    x = make_input((64, 1000), 1, torch.float32, seed=14)
+    widths = splits(1000, world)[0]
+    comm = distributed.Collectives(WORLD, trace=[])
+    y_local, steps = distributed.sharded_entmax15_forward(my_slice(x, 1, widths), 1, comm)
+    check_against_entmax15_oracle(whole(y_local, 1), x, 1)
+    assert 1 <= steps <= 1 + math.ceil(math.log2(1000)), steps
+    assert [kind for kind, _, _ in comm.trace] == ["all_gather"] * (1 + steps)
+    assert all(math.prod(shape) <= 4 * world * 64 for _, shape, _ in comm.trace), comm.trace
+    singles = [dist.new_group([r]) for r in range(world)]
+    x_local = my_slice(x, 1, widths)
+    assert_bitwise_equal(flashmax.entmax15(x_local, 1, group=singles[rank]),
+                         flashmax.entmax15(x_local, 1), "group of one")
+    odd = rank == world - 1
+    with pytest.raises(ValueError, match=r"entmax15\(group=\.\.\.\)"):
+        flashmax.entmax15(x_local.double() if odd else x_local, 1, group=WORLD)
+    x_grad = x_local.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(flashmax.entmax15(x_grad, 1, group=WORLD), x_grad,
+                                torch.ones_like(x_grad), create_graph=True)
+    with pytest.raises(RuntimeError):
+        dx.sum().backward()
 
 
 @case("gloo-2")

@@ -1,4 +1,5 @@
-"""Sparsemax over a feature dimension split across the ranks of a torch.distributed group.
+"""Sparsemax (and entmax-1.5, at the end) over a feature dimension split across the ranks of
+a torch.distributed group.
 
 Each rank holds a contiguous slice of every row (tensor-parallel vocabularies, experts); the
 result on each rank is its slice of the sparsemax of the whole row. Only per-row scalars cross
@@ -39,7 +40,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import reference
+from . import reference, reference_entmax
+from .entmax import entmax15
 from .sparsemax import SUPPORTED_DTYPES, check_input, compute_dtype, sparsemax, uses_kernels
 
 from .kernels import load as load_kernels
@@ -90,10 +92,10 @@ class Collectives:
 _FIELDS = ("valid", "dtype", "ndim", "dim", "rows", "shape", "needs_grad", "cuda", "width")
 
 
-def _describe(x, dim):
+def _describe(x, dim, name):
     """This rank's input as _FIELDS, and the error its input alone deserves (or None)."""
     try:
-        dim = check_input(x, dim)
+        dim = check_input(x, dim, name)
     except (TypeError, IndexError) as error:
         return [0] * len(_FIELDS), error
     shape = x.shape if x.dim() else (1,)
@@ -123,21 +125,21 @@ def _say(fields):
             f"{'needs' if f['needs_grad'] else 'no'} gradient")
 
 
-def agree(x, dim, comm: Collectives) -> tuple[int, int, list[int]]:
+def agree(x, dim, comm: Collectives, name: str = "sparsemax") -> tuple[int, int, list[int]]:
     """(dim, rows, every rank's slice width) once all ranks agree on everything else; else the
     same error on every rank (a rank with a bad input raises its own TypeError or IndexError)."""
-    fields, error = _describe(x, dim)
+    fields, error = _describe(x, dim, name)
     everyone = comm.all_gather(torch.tensor(fields, device=_meta_device(x, comm.group))).tolist()
     if error is not None:
         raise error
     invalid = [rank for rank, f in enumerate(everyone) if not f[0]]
     if invalid:
-        raise ValueError(f"sparsemax(group=...): the input of rank(s) {invalid} is invalid "
+        raise ValueError(f"{name}(group=...): the input of rank(s) {invalid} is invalid "
                          "(see the error raised there)")
     if any(f[:-1] != fields[:-1] for f in everyone):
         ranks = "; ".join(f"rank {r}: {_say(f)}" for r, f in enumerate(everyone))
         raise ValueError(
-            "sparsemax(group=...): all ranks must pass the same rows (shape apart from dim), "
+            f"{name}(group=...): all ranks must pass the same rows (shape apart from dim), "
             f"dtype, dim, device type and need for a gradient; got {ranks}")
     return fields[3], fields[4], [f[-1] for f in everyone]
 
@@ -151,6 +153,12 @@ def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """t as (rows, width) with dim last; width 0 allowed (a rank without features)."""
     others = t.shape[:dim] + t.shape[dim + 1:]
     return t.movedim(dim, -1).reshape(math.prod(others), t.shape[dim])
+
+
+def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """`_as_rows` undone: a contiguous tensor of like's shape and dtype."""
+    shape = like.movedim(dim, -1).shape
+    return rows.to(like.dtype).view(shape).movedim(-1, dim).contiguous()
 
 
 class TorchShard:
@@ -213,8 +221,7 @@ class TorchShard:
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         y = self._z(row_max).sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
         y.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), torch.nan)
-        shape = self.x.movedim(self.dim, -1).shape
-        return y.to(self.x.dtype).view(shape).movedim(-1, self.dim).contiguous()
+        return _from_rows(y, self.x, self.dim)
 
 
 def torch_support_sums(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
@@ -268,14 +275,15 @@ def _reduce_ranks(everyone):
     return torch.cat([sums, smallest], 1)
 
 
-def combine(summaries):
+def combine(summaries, scale: float = 1.0):
     """Every rank's `summary` [world, 2, rows] -> each row's max (+inf where a rank holds a NaN
     or +inf: a bad row) and a lower bound on its tau, the highest slice's tau in the row's
-    coordinates; the same numbers in the same order on every rank."""
+    coordinates z = (x - max) * scale; the same numbers in the same order on every rank."""
     local_max, local_tau = summaries[:, 0], summaries[:, 1]
     local_max = torch.where(local_max.isnan(), torch.inf, local_max)
     row_max = local_max.amax(0)
-    taus = torch.where(local_max.isfinite(), (local_max - row_max) + local_tau, -torch.inf)
+    taus = torch.where(local_max.isfinite(), (local_max - row_max) * scale + local_tau,
+                       -torch.inf)
     return row_max, taus.amax(0).clamp_min(-1.0)
 
 
@@ -401,3 +409,115 @@ def sharded_sparsemax(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if x.dim() == 0:
         return _ShardedSparsemax.apply(x.reshape(1), 0, comm, sum(widths)).reshape(())
     return _ShardedSparsemax.apply(x, dim, comm, sum(widths))
+
+
+# ----------------------------------------------------------------------------------------------
+# entmax-1.5: the same protocol, with sparsemax's Newton points replaced by the reference's
+# steps (closed form of the set above tau, else Newton on F); local work in pure torch
+# ----------------------------------------------------------------------------------------------
+
+
+class Entmax15Shard:
+    """One rank's slice as (rows, width) in the compute dtype; in the whole rows' coordinates
+    z = (x - row max) / 2 once that max is known."""
+
+    def __init__(self, x: torch.Tensor, dim: int):
+        self.x, self.dim = x, dim
+        self.rows = _as_rows(x, dim).to(compute_dtype(x.dtype))
+        self.z = None
+
+    def summary(self) -> torch.Tensor:
+        """[2, rows]: this slice's max (NaN where it holds one) and its exact tau in
+        (x - that max) / 2 (-inf where the max is not finite)."""
+        if not self.rows.shape[1]:
+            return self.rows.new_full((2, self.rows.shape[0]), -torch.inf)
+        local_max = self.rows.amax(-1)
+        finite = torch.isfinite(local_max).unsqueeze(-1)
+        z = ((self.rows - local_max.unsqueeze(-1)) * 0.5).masked_fill_(~finite, -torch.inf)
+        pivot, step = reference_entmax.entmax15_threshold(z, z.new_full(z.shape[:1], -1.0))
+        return torch.stack([local_max, torch.where(finite[:, 0], pivot + step, -torch.inf)])
+
+    def _z(self, row_max: torch.Tensor) -> torch.Tensor:
+        if self.z is None:
+            self.z = (self.rows - row_max.unsqueeze(-1)) * 0.5
+            self.z.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), -torch.inf)
+        return self.z
+
+    def sums(self, row_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        """[4, rows] float64: sum of d and of d^2, count and smallest of d = z - tau over d > 0
+        (the reference's sums, of this slice)."""
+        d = self._z(row_max) - tau.unsqueeze(-1)
+        support = d > 0
+        positive = d.clamp_min(0)
+        s1 = positive.sum(-1, dtype=torch.float64)
+        s2 = positive.square().sum(-1, dtype=torch.float64)
+        smallest = torch.where(support, d, torch.inf).amin(-1) if d.shape[-1] else s1 + torch.inf
+        return torch.stack([s1, s2, support.sum(-1).double(), smallest.double()])
+
+    def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        y = self._z(row_max).sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1))
+        y = y.clamp_min_(0).square_()
+        y.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), torch.nan)
+        return _from_rows(y, self.x, self.dim)
+
+
+def sharded_entmax15_forward(x, dim, comm: Collectives):
+    """This rank's slice of the entmax-1.5 of the whole rows, and the number of steps: one
+    all_gather of the slices' (max, tau), then one all_gather of the sums per step, reduced in
+    rank order on every rank (identical decisions, so no rank waits on a step the others
+    skip). Capped as the reference is (`reference_entmax.MAX_STEPS`, against rounding cycles)."""
+    local = Entmax15Shard(x, dim)
+    row_max, pivot = combine(comm.all_gather(local.summary()), scale=0.5)
+    step = torch.zeros_like(pivot)
+    done = ~torch.isfinite(row_max)
+    steps = 0
+    while steps < reference_entmax.MAX_STEPS and not bool(done.all()):
+        tau = pivot + step
+        everyone = comm.all_gather(local.sums(row_max, tau))
+        s1, s2, count = everyone[:, :3].sum(0)
+        new_step, finished = reference_entmax.threshold_step(
+            s1, s2, count, everyone[:, 3].amin(0).to(tau.dtype), tau)
+        pivot = torch.where(done, pivot, tau)
+        step = torch.where(done, step, new_step)
+        done = done | finished
+        steps += 1
+    return local.write(row_max, pivot, step), steps
+
+
+def sharded_entmax15_backward(y, grad, dim, comm: Collectives):
+    """dx = s g - (sum(s g) / sum(s)) s with s = sqrt(y) over the whole rows: one all-reduce."""
+    ctype = compute_dtype(y.dtype)
+    s = _as_rows(y, dim).to(ctype).sqrt()
+    sg = s * _as_rows(grad, dim).to(ctype)
+    sums = torch.stack([sg.sum(-1, dtype=torch.float64), s.sum(-1, dtype=torch.float64)])
+    total, norm = comm.all_reduce(sums, dist.ReduceOp.SUM)
+    return _from_rows(sg - (total / norm).to(ctype).unsqueeze(-1) * s, y, dim)
+
+
+class _ShardedEntmax15(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, comm):
+        y, _ = sharded_entmax15_forward(x, dim, comm)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.comm = dim, comm
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return sharded_entmax15_backward(y, grad, ctx.dim, ctx.comm), None, None
+
+
+def sharded_entmax15(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """`flashmax.entmax15(x, dim, group=group)`, as `sharded_sparsemax` (first-order gradients
+    only: a double backward raises)."""
+    if dist.get_world_size(group) == 1:
+        return entmax15(x, dim)
+    comm = Collectives(group)
+    dim, rows, widths = agree(x, dim, comm, "entmax15")
+    if not rows or not sum(widths):
+        return entmax15(x, dim)
+    if x.dim() == 0:
+        return _ShardedEntmax15.apply(x.reshape(1), 0, comm).reshape(())
+    return _ShardedEntmax15.apply(x, dim, comm)

@@ -88,13 +88,20 @@ _EagerEntmax15 = None if kernels is None else eager_function(
     _entmax15_backward_op)
 
 
-def entmax15(x: torch.Tensor, dim: int = -1, k=None) -> torch.Tensor:
+def entmax15(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Tensor:
     """entmax-1.5 of x along dim (Peters et al., 2019): y = max((x - max x) / 2 - tau, 0)^2 with
     tau chosen so that each slice sums to 1. Exact, without sorting.
 
     Same signature as `entmax.entmax15(X, dim=-1, k=None)`; k (the entmax package's partial-sort
-    size) is accepted and ignored. The contract (dtypes, -inf, NaN) is sparsemax's.
+    size) is accepted and ignored. The contract (dtypes, -inf, NaN) is sparsemax's. With a
+    torch.distributed `group`, x is this rank's contiguous slice of the features along dim and
+    the result its slice of the whole rows' entmax-1.5 (`flashmax.distributed`; first-order
+    gradients).
     """
+    if group is not None:
+        from .distributed import sharded_entmax15  # imports this module
+
+        return sharded_entmax15(x, dim, group)
     dim = check_input(x, dim, "entmax15")
     if x.dim() == 0:
         return _entmax15_op(x.reshape(1), 0).reshape(())

@@ -32,6 +32,26 @@ def quadratic_step(s1: torch.Tensor, s2: torch.Tensor, count: torch.Tensor) -> t
     return excess / (s1 + torch.sqrt(s1 * s1 - count * excess))
 
 
+def threshold_step(s1, s2, count, smallest, tau):
+    """One step from a set's sums at tau (sum of d = z - tau and of d^2, count, smallest d,
+    over d > 0; the sums in float64): (step, done).
+
+    The set's closed form is final when it keeps every entry of the set (so the set is the
+    support) and is small (a large one came from d rounded to ~|tau| ulps: refine once more);
+    otherwise the step is Newton's on F, which stays below the root. A row is also done when
+    Newton converged without passing an entry at tau, or with no entry above tau (a NaN row:
+    tau is kept).
+    """
+    closed = quadratic_step(s1, s2, count).to(tau.dtype)
+    # Newton on F: (sqrt(s2) - 1) sqrt(s2) / s1, with sqrt(s2) - 1 without cancellation.
+    root = s2.sqrt()
+    newton = (root * (s2 - 1) / ((root + 1) * s1)).to(tau.dtype)
+    final = (smallest >= closed) & (closed.abs() <= (tau + closed).abs())
+    stuck = (tau + newton) == tau
+    step = torch.where(final, closed, newton).masked_fill_(count == 0, 0)
+    return step, final | stuck | (count == 0)
+
+
 def entmax15_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact threshold of each row of z (z <= 0, -inf padding allowed) from a lower bound tau.
 
@@ -51,18 +71,9 @@ def entmax15_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor
         s2 = positive.square().sum(-1, dtype=torch.float64)
         count = support.sum(-1, dtype=torch.int32)
         smallest = torch.where(support, d, torch.inf).amin(-1)
-        closed = quadratic_step(s1, s2, count).to(tau.dtype)
-        # Newton on F: (sqrt(s2) - 1) sqrt(s2) / s1, with sqrt(s2) - 1 without cancellation.
-        root = s2.sqrt()
-        newton = (root * (s2 - 1) / ((root + 1) * s1)).to(tau.dtype)
-        # Final: the set's closed form keeps every entry of the set (so it is the support), and
-        # it is small (a large one came from d rounded to ~|tau| ulps: refine once more).
-        final = (smallest >= closed) & (closed.abs() <= (tau + closed).abs())
-        stuck = (tau + newton) == tau  # Newton converged without passing an entry at tau
-        # No entry above tau (a NaN row): keep tau, and the row is done.
         pivot[active] = tau
-        step[active] = torch.where(final, closed, newton).masked_fill_(count == 0, 0)
-        searching = ~(final | stuck | (count == 0))
+        step[active], done = threshold_step(s1, s2, count, smallest, tau)
+        searching = ~done
         if not bool(searching.any()):
             break
         active, z = active[searching], z[searching]
