@@ -133,12 +133,10 @@ def adversarial_rows(n: int, dtype: torch.dtype) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-@case(*ALL)
-def every_dim_dtype_and_split(rank, world):
-    # 4 processes share 2 cores in CI: world 4 runs a subset (the same code paths).
-    halves = (torch.float16, torch.bfloat16) if world == 2 else ()
-    kinds = (("randn", 1), ("ties", 2), ("near_max", 3), ("spike", 4))[::1 if world == 2 else 3]
-    # world 4: the splits with a 1-feature rank and with a 0-feature rank
+def check_every_dim_dtype_and_split(check, world, halves, kinds):
+    """check(x, dim, widths, what) on rows of 23 along each dim of a [3, 4, 2]-like shape.
+    4 processes share 2 cores in CI: world 4 takes only the splits with a 1-feature rank and
+    with a 0-feature rank (the same code paths)."""
     chosen_splits = splits(23, world) if world == 2 else splits(23, world)[1::2]
     for dtype in (torch.float32, torch.float64, *halves):
         for dim in range(3):
@@ -147,7 +145,14 @@ def every_dim_dtype_and_split(rank, world):
             for kind, seed in kinds:
                 x = make_input(shape, dim, dtype, seed=seed + 10 * dim, kind=kind, mask_p=0.2)
                 for widths in chosen_splits:
-                    check_split(x, dim, widths, f"{dtype} dim={dim} {kind} widths={widths}")
+                    check(x, dim, widths, f"{dtype} dim={dim} {kind} widths={widths}")
+
+
+@case(*ALL)
+def every_dim_dtype_and_split(rank, world):
+    halves = (torch.float16, torch.bfloat16) if world == 2 else ()
+    kinds = (("randn", 1), ("ties", 2), ("near_max", 3), ("spike", 4))[::1 if world == 2 else 3]
+    check_every_dim_dtype_and_split(check_split, world, halves, kinds)
 
 
 @case(*ALL)
@@ -337,16 +342,7 @@ def check_entmax15_split(x: torch.Tensor, dim: int, widths, what: str):
 def entmax15_every_dim_dtype_and_split(rank, world):
     halves = (torch.bfloat16,) if world == 2 else ()
     kinds = (("randn", 1), ("near_max", 3)) if world == 2 else (("ties", 2),)
-    chosen_splits = splits(23, world) if world == 2 else splits(23, world)[1::2]
-    for dtype in (torch.float32, torch.float64, *halves):
-        for dim in range(3):
-            shape = [3, 4, 2]
-            shape[dim] = 23
-            for kind, seed in kinds:
-                x = make_input(shape, dim, dtype, seed=seed + 10 * dim, kind=kind, mask_p=0.2)
-                for widths in chosen_splits:
-                    check_entmax15_split(x, dim, widths,
-                                         f"{dtype} dim={dim} {kind} widths={widths}")
+    check_every_dim_dtype_and_split(check_entmax15_split, world, halves, kinds)
 
 
 @case(*ALL)

@@ -79,3 +79,20 @@ def test_the_cache_starts_over_when_full(monkeypatch):
     for key in range(3):
         cache.launch(key, (1,), (x, y), (2, 1), dict(BLOCK=2, FLAG=False))
     assert list(cache.plans) == [2]
+
+
+def test_kept_launch_replays_only_with_the_launchers_defaults():
+    from flashmax.kernels.sparsemax import kept_launch
+
+    cache = launch.LaunchCache(FakeKernel())
+    x = torch.randn(3, 5)
+    out, key, replayed = kept_launch(cache, True, 1, None, x)
+    assert key is not None and not replayed and out.shape == x.shape and out is not x
+    cache.launch(key, (3,), (x, out), (5, 1), dict(BLOCK=8, FLAG=False))
+    again, same_key, replayed = kept_launch(cache, True, 1, None, x)
+    assert replayed and same_key == key and again is not out
+    replayed_args = cache.kernel.calls[-1][2]
+    assert replayed_args[0] is x and replayed_args[1] is again  # into the new output
+    mine = torch.empty(3, 5)
+    out, key, replayed = kept_launch(cache, False, 1, mine, x)
+    assert out is mine and key is None and not replayed

@@ -23,8 +23,8 @@ import triton.language as tl
 from .launch import LaunchCache
 from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _map_rows, _nan_max,
                         _row_offsets, _rows, _store_rows, _strided, _tile_max, _tile_threshold,
-                        _wide, group_size, launch_config, launch_gradient_rows, launch_rows,
-                        max_block_n, replay_or_new)
+                        _wide, group_size, kept_launch, launch_config, launch_gradient_rows,
+                        launch_rows, max_block_n)
 
 # Widths whose forward prefetches (`rows_launch`): sparsemax's and 1024, where entmax-1.5's
 # heavier arithmetic gains 8-14% from one row a program over 8 programs a SM (NOTES, v12).
@@ -372,13 +372,11 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     `programs_per_sm` as in `rows_launch`. The other keyword arguments override the launch
     heuristics (for benchmarks and tests).
     """
-    new, key = replay_or_new(FORWARD_LAUNCHES, out is None and group is None and num_warps is None
-                             and block_m is None and chunk is None and programs_per_sm is None,
-                             dim, x)
-    if new is not None:
-        if key is None:
-            return new
-        out = new
+    defaults = (out is None and group is None and num_warps is None and block_m is None
+                and chunk is None and programs_per_sm is None)
+    out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
+    if replayed:
+        return out
     if x.numel() == 0:
         return x.new_empty(x.shape) if out is None else out
     y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
@@ -399,12 +397,10 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
 def entmax15_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
                       block_m=None, chunk=None) -> torch.Tensor:
     """Launch the backward kernel into `out`, as `entmax15_forward` does."""
-    new, key = replay_or_new(BACKWARD_LAUNCHES, out is None and num_warps is None
-                             and block_m is None and chunk is None, dim, y, grad)
-    if new is not None:
-        if key is None:
-            return new
-        out = new
+    defaults = out is None and num_warps is None and block_m is None and chunk is None
+    out, key, replayed = kept_launch(BACKWARD_LAUNCHES, defaults, dim, out, y, grad)
+    if replayed:
+        return out
     if y.numel() == 0:
         return y.new_empty(y.shape) if out is None else out
     if y.shape[dim] > (max_block_n(y.dtype) if chunk is None else chunk):

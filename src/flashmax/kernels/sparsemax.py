@@ -842,17 +842,15 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
         WIDE=wide, PREFETCH=prefetch, num_warps=num_warps))
 
 
-def replay_or_new(launches: LaunchCache, defaults: bool, dim: int, *tensors):
-    """(output, key): with the launchers' defaults (no out, no overrides), a new output for
-    tensors[0]'s shape and dtype, already computed if a launch was kept for this key (output,
-    None), else to be computed and kept (output, key); otherwise (None, None)."""
+def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
+    """(out, key, replayed). With the launchers' defaults (`defaults`: no out, no overrides), a
+    new output of tensors[0]'s shape and dtype and the key its launch is kept under; replayed
+    when a launch kept under that key has already computed it. Otherwise (out, None, False)."""
     if not defaults:
-        return None, None
+        return out, None, False
     key = (dim, *tensor_key(*tensors))
     out = torch.empty(tensors[0].shape, dtype=tensors[0].dtype, device=tensors[0].device)
-    if launches.replay(key, *tensors, out):
-        return out, None
-    return out, key
+    return out, key, launches.replay(key, *tensors, out)
 
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
@@ -869,13 +867,12 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `programs_per_sm` as in `rows_launch`. The other keyword arguments override the launch
     heuristics (benchmarks, tests).
     """
-    new, key = replay_or_new(FORWARD_LAUNCHES, out is None and group is None and num_warps is None
-                             and block_m is None and chunk is None and sparse_write is None
-                             and threshold_tile is None and programs_per_sm is None, dim, x)
-    if new is not None:
-        if key is None:
-            return new
-        out = new
+    defaults = (out is None and group is None and num_warps is None and block_m is None
+                and chunk is None and sparse_write is None and threshold_tile is None
+                and programs_per_sm is None)
+    out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
+    if replayed:
+        return out
     if x.numel() == 0:
         return x.new_empty(x.shape) if out is None else out
     y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
@@ -948,12 +945,10 @@ def launch_gradient_rows(launches: LaunchCache, key, y, grad, dim, out, chunk, n
 def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
                        block_m=None, chunk=None) -> torch.Tensor:
     """Launch the backward kernel into `out`, as `sparsemax_forward` does."""
-    new, key = replay_or_new(BACKWARD_LAUNCHES, out is None and num_warps is None
-                             and block_m is None and chunk is None, dim, y, grad)
-    if new is not None:
-        if key is None:
-            return new
-        out = new
+    defaults = out is None and num_warps is None and block_m is None and chunk is None
+    out, key, replayed = kept_launch(BACKWARD_LAUNCHES, defaults, dim, out, y, grad)
+    if replayed:
+        return out
     if y.numel() == 0:
         return y.new_empty(y.shape) if out is None else out
     if y.shape[dim] > (max_block_n(y.dtype) if chunk is None else chunk):
