@@ -161,13 +161,12 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.to(like.dtype).view(shape).movedim(-1, dim).contiguous()
 
 
-class TorchShard:
-    """One rank's slice as (rows, width) in the compute dtype; the same interface as
-    `flashmax.kernels.distributed.TritonShard`."""
+class SliceRows:
+    """One rank's slice as (rows, width) in the compute dtype, and what sparsemax and
+    entmax-1.5 do alike with it: z = (x - row max) * SCALE in the whole rows' coordinates, the
+    slice's own exact tau, and the output from the row's threshold."""
 
-    # Newton steps queued before the driver reads whether an earlier one finished every row:
-    # none here, where reading costs no device synchronisation.
-    lookahead = 0
+    SCALE = 1.0
 
     def __init__(self, x: torch.Tensor, dim: int):
         self.x, self.dim = x, dim
@@ -175,23 +174,51 @@ class TorchShard:
         self.rows = _as_rows(x, dim).to(self.ctype)
         self.z = None
 
+    def _shifted(self, row_max: torch.Tensor) -> torch.Tensor:
+        """(x - row_max) * SCALE, -inf where row_max is not finite."""
+        z = self.rows - row_max.unsqueeze(-1)
+        if self.SCALE != 1.0:
+            z.mul_(self.SCALE)
+        return z.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), -torch.inf)
+
     def summary(self) -> torch.Tensor:
         """[2, rows]: this slice's max (NaN where it holds one) and its exact tau relative to
         that max (-inf where the max is not finite)."""
         if not self.rows.shape[1]:
             return self.rows.new_full((2, self.rows.shape[0]), -torch.inf)
         local_max = self.rows.amax(-1)
-        finite = torch.isfinite(local_max)
-        z = (self.rows - local_max.unsqueeze(-1)).masked_fill_(~finite.unsqueeze(-1), -torch.inf)
-        pivot, step = reference.threshold(z)
-        return torch.stack([local_max, torch.where(finite, pivot + step, -torch.inf)])
+        pivot, step = self._threshold(self._shifted(local_max))
+        return torch.stack([local_max,
+                            torch.where(torch.isfinite(local_max), pivot + step, -torch.inf)])
 
     def _z(self, row_max: torch.Tensor) -> torch.Tensor:
-        """The slice in the whole rows' coordinates, z = x - row max (-inf in bad rows)."""
+        """The slice in the whole rows' coordinates (-inf in bad rows), made once."""
         if self.z is None:
-            self.z = self.rows - row_max.unsqueeze(-1)
-            self.z.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), -torch.inf)
+            self.z = self._shifted(row_max)
         return self.z
+
+    def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        y = self._z(row_max).sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
+        y = self._outputs(y)
+        y.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), torch.nan)
+        return _from_rows(y, self.x, self.dim)
+
+
+class TorchShard(SliceRows):
+    """Sparsemax's local work in pure torch; the same interface as
+    `flashmax.kernels.distributed.TritonShard`."""
+
+    # Newton steps queued before the driver reads whether an earlier one finished every row:
+    # none here, where reading costs no device synchronisation.
+    lookahead = 0
+
+    @staticmethod
+    def _threshold(z):
+        return reference.threshold(z)
+
+    @staticmethod
+    def _outputs(clipped):
+        return clipped
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """[points, 3, rows] float64: sum, count and smallest of d = z - tau over d > 0, for
@@ -217,12 +244,6 @@ class TorchShard:
         # The next step's centre: 1 / the count at the point its Newton step started from.
         centre = torch.where(count > 0, 1 / count, 0).to(pivot.dtype)
         return pivot, step, done, hi, centre, next_points(pivot, step, hi, done, points.shape[0])
-
-    def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        y = self._z(row_max).sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
-        y.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), torch.nan)
-        return _from_rows(y, self.x, self.dim)
-
 
 def torch_support_sums(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
     """[2, rows] float64: sum of grad and count over the support y > 0 of each row."""
@@ -417,48 +438,23 @@ def sharded_sparsemax(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-class Entmax15Shard:
-    """One rank's slice as (rows, width) in the compute dtype; in the whole rows' coordinates
-    z = (x - row max) / 2 once that max is known."""
+class Entmax15Shard(SliceRows):
+    """entmax-1.5's local work, in z = (x - row max) / 2."""
 
-    def __init__(self, x: torch.Tensor, dim: int):
-        self.x, self.dim = x, dim
-        self.rows = _as_rows(x, dim).to(compute_dtype(x.dtype))
-        self.z = None
+    SCALE = 0.5
 
-    def summary(self) -> torch.Tensor:
-        """[2, rows]: this slice's max (NaN where it holds one) and its exact tau in
-        (x - that max) / 2 (-inf where the max is not finite)."""
-        if not self.rows.shape[1]:
-            return self.rows.new_full((2, self.rows.shape[0]), -torch.inf)
-        local_max = self.rows.amax(-1)
-        finite = torch.isfinite(local_max).unsqueeze(-1)
-        z = ((self.rows - local_max.unsqueeze(-1)) * 0.5).masked_fill_(~finite, -torch.inf)
-        pivot, step = reference_entmax.entmax15_threshold(z, z.new_full(z.shape[:1], -1.0))
-        return torch.stack([local_max, torch.where(finite[:, 0], pivot + step, -torch.inf)])
+    @staticmethod
+    def _threshold(z):
+        return reference_entmax.entmax15_threshold(z, z.new_full(z.shape[:1], -1.0))
 
-    def _z(self, row_max: torch.Tensor) -> torch.Tensor:
-        if self.z is None:
-            self.z = (self.rows - row_max.unsqueeze(-1)) * 0.5
-            self.z.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), -torch.inf)
-        return self.z
+    @staticmethod
+    def _outputs(clipped):
+        return clipped.square_()
 
     def sums(self, row_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        """[4, rows] float64: sum of d and of d^2, count and smallest of d = z - tau over d > 0
-        (the reference's sums, of this slice)."""
-        d = self._z(row_max) - tau.unsqueeze(-1)
-        support = d > 0
-        positive = d.clamp_min(0)
-        s1 = positive.sum(-1, dtype=torch.float64)
-        s2 = positive.square().sum(-1, dtype=torch.float64)
-        smallest = torch.where(support, d, torch.inf).amin(-1) if d.shape[-1] else s1 + torch.inf
-        return torch.stack([s1, s2, support.sum(-1).double(), smallest.double()])
-
-    def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        y = self._z(row_max).sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1))
-        y = y.clamp_min_(0).square_()
-        y.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), torch.nan)
-        return _from_rows(y, self.x, self.dim)
+        """[4, rows] float64: the reference's `support_sums` of this slice at tau."""
+        sums = reference_entmax.support_sums(self._z(row_max) - tau.unsqueeze(-1))
+        return torch.stack([t.double() for t in sums])
 
 
 def sharded_entmax15_forward(x, dim, comm: Collectives):

@@ -32,6 +32,19 @@ def quadratic_step(s1: torch.Tensor, s2: torch.Tensor, count: torch.Tensor) -> t
     return excess / (s1 + torch.sqrt(s1 * s1 - count * excess))
 
 
+def support_sums(d: torch.Tensor):
+    """(sum of d, sum of d^2, count, smallest d) over d > 0 in each row of d; the sums in
+    float64, the count int32, the smallest inf where no entry is positive (or none at all)."""
+    support = d > 0
+    positive = d.clamp_min(0)
+    s1 = positive.sum(-1, dtype=torch.float64)
+    s2 = positive.square().sum(-1, dtype=torch.float64)
+    count = support.sum(-1, dtype=torch.int32)
+    if not d.shape[-1]:
+        return s1, s2, count, d.new_full(d.shape[:-1], torch.inf)
+    return s1, s2, count, torch.where(support, d, torch.inf).amin(-1)
+
+
 def threshold_step(s1, s2, count, smallest, tau):
     """One step from a set's sums at tau (sum of d = z - tau and of d^2, count, smallest d,
     over d > 0; the sums in float64): (step, done).
@@ -64,13 +77,7 @@ def entmax15_threshold(z: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor
     active = torch.arange(z.shape[0], device=z.device)
     for _ in range(MAX_STEPS):
         tau = pivot[active] + step[active]
-        d = z - tau.unsqueeze(-1)
-        support = d > 0
-        positive = d.clamp_min(0)
-        s1 = positive.sum(-1, dtype=torch.float64)
-        s2 = positive.square().sum(-1, dtype=torch.float64)
-        count = support.sum(-1, dtype=torch.int32)
-        smallest = torch.where(support, d, torch.inf).amin(-1)
+        s1, s2, count, smallest = support_sums(z - tau.unsqueeze(-1))
         pivot[active] = tau
         step[active], done = threshold_step(s1, s2, count, smallest, tau)
         searching = ~done

@@ -411,8 +411,7 @@ def entmax15_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, n
             y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides, CHUNK=block_n,
             WIDE=_wide(n, y_strides[2], g_strides[2], dx_strides[2]), num_warps=num_warps)
         return dx
-    return launch_gradient_rows(BACKWARD_LAUNCHES, key, y, grad, dim, out, chunk, num_warps,
-                                block_m)
+    return launch_gradient_rows(BACKWARD_LAUNCHES, key, y, grad, dim, out, num_warps, block_m)
 
 
 def loss_fits(n: int, dtype: torch.dtype, chunk=None) -> bool:

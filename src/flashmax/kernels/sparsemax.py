@@ -925,11 +925,11 @@ class SplitBackward:
         return self.dx
 
 
-def launch_gradient_rows(launches: LaunchCache, key, y, grad, dim, out, chunk, num_warps,
+def launch_gradient_rows(launches: LaunchCache, key, y, grad, dim, out, num_warps,
                          block_m) -> torch.Tensor:
     """Launch a backward kernel over whole rows in registers, (Y, G, DX, rows, strides, BLOCK_M,
     BLOCK_N, WIDE), into out (new if None); kept under key unless y or grad had to be copied."""
-    dx, y_rows, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
+    dx, y_rows, n_rows, n, inner, y_strides, dx_strides, _ = _rows(y, out, dim, None)
     g_rows, (_, _, g_strides) = _strided(grad, dim)
     if y_rows is not y or g_rows is not grad:
         key = None
@@ -954,5 +954,4 @@ def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, 
     if y.shape[dim] > (max_block_n(y.dtype) if chunk is None else chunk):
         split = SplitBackward(y, grad, dim, out, chunk, num_warps)
         return split.write(split.sums(), split.n_splits)
-    return launch_gradient_rows(BACKWARD_LAUNCHES, key, y, grad, dim, out, chunk, num_warps,
-                                block_m)
+    return launch_gradient_rows(BACKWARD_LAUNCHES, key, y, grad, dim, out, num_warps, block_m)
