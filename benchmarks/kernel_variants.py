@@ -92,6 +92,23 @@ def forward_launcher(module, config, rows, n, name="sparsemax_forward"):
     return forward
 
 
+def compiled_forwards(module):
+    """The forward kernel's compiled variants so far (any device), by identity."""
+    kernel = module.FORWARD_LAUNCHES.kernel
+    return {id(k): k for caches in kernel.device_caches.values() for k in caches[0].values()}
+
+
+def resources(kernels):
+    """Registers, spills, shared memory and whether Triton pipelined a load through shared
+    memory (cp.async), of each compiled kernel."""
+    out = []
+    for k in kernels:
+        k._init_handles()
+        out.append(dict(regs=k.n_regs, spills=k.n_spills, shared=k.metadata.shared,
+                        pipelined="async_copy_global_to_local" in k.asm.get("ttgir", "")))
+    return out
+
+
 def load_module(path):
     """A kernels module from a file: an earlier version kept to time against in the same run."""
     import importlib.util
@@ -208,13 +225,21 @@ def main():
                 for name, fwd in launchers.items():
                     if fwd is None:
                         continue
-                    y = fwd(inputs[0], out=torch.full_like(inputs[0], float("nan")))
+                    before = compiled_forwards(module)
+                    try:
+                        y = fwd(inputs[0], out=torch.full_like(inputs[0], float("nan")))
+                    except Exception as error:  # a variant that does not compile: say so, go on
+                        print(f"variant {name} {rows}x{n} {dtype}: {type(error).__name__}: "
+                              f"{str(error)[:300]}", flush=True)
+                        continue
+                    built = [k for i, k in compiled_forwards(module).items() if i not in before]
                     err = rel_error(y, inputs[0], oracle)
                     med, p20, p80 = gpu_time_us(fwd, inputs)
                     records.append(dict(op=args.op, mode="forward", variant=name, n=n, rows=rows,
                                         dtype=str(dtype)[6:], dist=dist, median_us=med,
                                         p20_us=p20, p80_us=p80, floor_us=floor,
-                                        ratio=med / floor, rel_error=err))
+                                        ratio=med / floor, rel_error=err,
+                                        kernels=resources(built)))
                 if dist == "randn":
                     ys = [getattr(module, forward_name)(x, 1) for x in inputs]
                     gs = [torch.randn_like(x) for x in inputs]
@@ -252,6 +277,9 @@ def main():
         err = "" if r["rel_error"] is None else f"{r['rel_error']:.1e}"
         extra = (f" forward op {r['forward_op_us']:.1f} launch {r['forward_launch_us']:.1f}"
                  if "forward_op_us" in r else "")
+        for k in r.get("kernels", []):
+            extra += (f" [{k['regs']}r {k['spills']}sp {k['shared'] // 1024}K"
+                      f"{' cp.async' if k['pipelined'] else ''}]")
         shape = f"{r['rows']}x{r['n']}"
         print(f"{r['mode']:8} {r['variant']:11} {shape:>12} {r['dtype']:8} {r['dist']:9} "
               f"{r['median_us']:8.1f} {r['floor_us']:7.1f} {r['ratio']:6.2f} {err:>8}{extra}")
