@@ -32,7 +32,7 @@ def main():
     block_m, block_n, warps = kernels.launch_config(2048, 1024, newton=True)
     group = kernels.group_size(block_n, 4, warps)
     args = (xd, y, 2048, 1024, 1, 1024, 1, 1, 1024, 1, 1)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=False, PREFETCH=False, STAGES=1)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=False, PREFETCH=False)
     grid = (2048 // block_m,)
     compiled = kernels.sparsemax_forward_kernel[grid](*args, **meta, num_warps=warps)
     stream = torch.cuda.current_stream().cuda_stream

@@ -322,11 +322,9 @@ def test_kernel_forward_matches_oracle(kernels, n, kind, scale, offset):
 
 @pytest.mark.parametrize("config", [{"group": 1}, {"group": 4}, {"block_m": 4}, {"chunk": 64},
                                     {"chunk": 32, "group": 1}, {"programs_per_sm": 1},
-                                    {"programs_per_sm": 1, "block_m": 4},
-                                    {"programs_per_sm": 1, "block_m": 4, "stages": 2}],
+                                    {"programs_per_sm": 1, "block_m": 4}],
                          ids=["no-groups", "four-groups", "four-rows", "streamed",
-                              "streamed-no-groups", "prefetching", "prefetching-four-rows",
-                              "pipelined-four-rows"])
+                              "streamed-no-groups", "prefetching", "prefetching-four-rows"])
 def test_kernel_every_launch_path(kernels, config):
     # More rows than programs, even on a GPU, so the prefetching programs walk several blocks.
     rows = 2 * ROWS + 1 + (2 * torch.cuda.get_device_properties(0).multi_processor_count * 4

@@ -119,18 +119,14 @@ def test_chunks_too_full_to_store_candidates(dtype):
     assert torch.equal(y, forward(x, chunk=128, sparse_write=1))
 
 
-@pytest.mark.parametrize("stages", [None, 2, 3])
 @pytest.mark.parametrize("block_m", [1, 4])
 @pytest.mark.parametrize("dist", ["randn", "rand", "masked"])
-def test_walking_programs_do_every_block(stages, block_m, dist):
-    # One program per multiprocessor walks several blocks, the last one partly past the rows:
-    # prefetching into registers, or (stages) in a loop pipelined through shared memory.
+def test_prefetching_programs_walk_every_block(block_m, dist):
+    # One program per multiprocessor walks several blocks, the last one partly past the rows.
     sms = kernels._multiprocessors(torch.device(DEVICE))
     x = make(dist, block_m * (3 * sms + 1) - 1, 300, seed=20)
-    launch = kernels.rows_launch(x, x.shape[0], 300, block_m=block_m, programs_per_sm=1,
-                                 stages=stages)
-    assert launch[4:] == ((True, 1) if stages is None else (False, stages))
-    y = forward(x, block_m=block_m, programs_per_sm=1, stages=stages)
+    assert kernels.rows_launch(x, x.shape[0], 300, block_m=block_m, programs_per_sm=1)[4]
+    y = forward(x, block_m=block_m, programs_per_sm=1)
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
     assert torch.equal(y, forward(x, block_m=block_m, programs_per_sm=0))
 
@@ -139,9 +135,8 @@ def test_prefetch_heuristic():
     x = make("randn", 2, 8, seed=21)
     sms = kernels._multiprocessors(torch.device(DEVICE))
     for n, prefetch in [(1024, False), (2048, True), (8192, True), (16384, False)]:
-        programs, _, _, warps, fetches, stages = kernels.rows_launch(x, 64 * sms, n,
-                                                                      newton=True)
-        assert (fetches, stages) == (prefetch, 1)
+        programs, _, _, warps, fetches = kernels.rows_launch(x, 64 * sms, n, newton=True)
+        assert fetches == prefetch
         if prefetch:
             assert programs * warps == kernels.PREFETCH_WARPS_PER_SM * sms
 

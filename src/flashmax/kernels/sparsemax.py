@@ -139,14 +139,11 @@ def _newton_threshold(z, tau):
     centre = tl.zeros_like(tau)
     done = tau != tau
     pending = tl.sum((~done).to(tl.int32), axis=0)
-    # The loop sits inside an `if`: a loop directly in `_map_rows`' pipelined loop (STAGES)
-    # would keep Triton from pipelining that one.
-    if pending > 0:
-        while pending > 0:
-            total, count, smallest = _step_sums(z, pivot + step, centre)
-            pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step,
-                                                       centre, done)
-            pending = tl.sum((~done).to(tl.int32), axis=0)
+    while pending > 0:
+        total, count, smallest = _step_sums(z, pivot + step, centre)
+        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
+                                                   done)
+        pending = tl.sum((~done).to(tl.int32), axis=0)
     return pivot, step
 
 
@@ -266,43 +263,32 @@ def _sparsemax_rows(x, GROUP: tl.constexpr):
 def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
               y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-              WIDE: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr):
+              WIDE: tl.constexpr, PREFETCH: tl.constexpr):
     """Y = ROWS_FN(X tile, GROUP), BLOCK_M whole rows at a time held in registers: one read,
     one write.
 
-    Without PREFETCH or STAGES a program does one block. With PREFETCH, program p does blocks
-    p, p + programs, ... and issues the next block's load before working on this one: when all
-    blocks fit in about one wave, the programs would otherwise all load, then all compute with
-    memory idle, then all store. With STAGES > 1 it walks the same blocks in a plain loop that
-    Triton's pipeliner runs STAGES deep: the next blocks' loads go to shared memory (cp.async)
-    while this one is searched, leaving the registers to the block at hand.
+    Without PREFETCH a program does one block. With it, program p does blocks p, p + programs,
+    ... and issues the next block's load before working on this one: when all blocks fit in
+    about one wave, the programs would otherwise all load, then all compute with memory idle,
+    then all store.
     """
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
-    if STAGES > 1:
-        for block in tl.range(block, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0),
-                              num_stages=STAGES):
-            x = _load_raw_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                               x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+    x = _load_raw_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+                       BLOCK_M, GROUP, WIDTH, WIDE)
+    if PREFETCH:
+        programs = tl.num_programs(0)
+        for next_block in tl.range(block + programs, tl.cdiv(n_rows, BLOCK_M) + programs,
+                                   programs, num_stages=1):
+            x_next = _load_raw_rows(X, next_block, n_rows, n, inner, x_stride_outer,
+                                    x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
             _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP), block, n_rows, n, inner,
                         y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+            x = x_next
+            block = next_block
     else:
-        x = _load_raw_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                           x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-        if PREFETCH:
-            programs = tl.num_programs(0)
-            for next_block in tl.range(block + programs, tl.cdiv(n_rows, BLOCK_M) + programs,
-                                       programs, num_stages=1):
-                x_next = _load_raw_rows(X, next_block, n_rows, n, inner, x_stride_outer,
-                                        x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-                _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP), block, n_rows, n, inner,
-                            y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH,
-                            WIDE)
-                x = x_next
-                block = next_block
-        else:
-            _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP), block, n_rows, n, inner,
-                        y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+        _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP), block, n_rows, n, inner,
+                    y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
 
 
 @triton.jit
@@ -311,12 +297,12 @@ def sparsemax_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    WIDE: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+    WIDE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Whole rows held in registers (`_map_rows`)."""
     _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
               y_stride_outer, y_stride_inner, y_stride_n, _sparsemax_rows,
-              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH, STAGES)
+              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH)
 
 
 @triton.jit
@@ -823,22 +809,15 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
-                newton=False, prefetch_rows=PREFETCH_ROWS, stages=None):
-    """(programs, BLOCK_M, BLOCK_N, num_warps, PREFETCH, STAGES) of a `_map_rows` kernel over
-    rows of x.
+                newton=False, prefetch_rows=PREFETCH_ROWS):
+    """(programs, BLOCK_M, BLOCK_N, num_warps, PREFETCH) of a `_map_rows` kernel over rows of x.
     programs_per_sm: None for the heuristic (one row a program, prefetching, for widths in
     prefetch_rows), 0 for one program per block, else that many programs per multiprocessor
-    (one multiprocessor off CUDA) walking the blocks.
-    stages: k > 1 for programs that walk the blocks in a loop Triton pipelines k deep through
-    shared memory, in place of prefetching into registers (one program a multiprocessor unless
-    programs_per_sm says otherwise)."""
+    (one multiprocessor off CUDA) walking the blocks."""
     block_n = _next_power_of_2(n)
-    stages = 1 if stages is None else stages
     if programs_per_sm is None:
         programs_per_sm = 0
-        if stages > 1:
-            programs_per_sm = 1
-        elif block_m is None and prefetch_rows[0] <= block_n <= prefetch_rows[1]:
+        if block_m is None and prefetch_rows[0] <= block_n <= prefetch_rows[1]:
             block_m = 1
             if num_warps is None:
                 num_warps = max(1, block_n // (32 * PREFETCH_ENTRIES_PER_THREAD))
@@ -848,20 +827,19 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
     programs = blocks
     if programs_per_sm:
         programs = min(blocks, programs_per_sm * _multiprocessors(x.device))
-    walks = programs < blocks
-    return programs, block_m, block_n, num_warps, walks and stages == 1, stages if walks else 1
+    return programs, block_m, block_n, num_warps, programs < blocks
 
 
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
                 group=None, num_warps=None, block_m=None, programs_per_sm=None, newton=False,
-                prefetch_rows=PREFETCH_ROWS, stages=None):
+                prefetch_rows=PREFETCH_ROWS):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices, kept under key."""
-    programs, block_m, block_n, num_warps, prefetch, stages = rows_launch(
-        x, n_rows, n, num_warps, block_m, programs_per_sm, newton, prefetch_rows, stages)
+    programs, block_m, block_n, num_warps, prefetch = rows_launch(
+        x, n_rows, n, num_warps, block_m, programs_per_sm, newton, prefetch_rows)
     launches.launch(key, (programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides), dict(
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group_size(block_n, x.element_size(), num_warps,
                                                            group),
-        WIDE=wide, PREFETCH=prefetch, STAGES=stages, num_warps=num_warps))
+        WIDE=wide, PREFETCH=prefetch, num_warps=num_warps))
 
 
 def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
@@ -877,7 +855,7 @@ def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
-                      programs_per_sm=None, stages=None) -> torch.Tensor:
+                      programs_per_sm=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -886,12 +864,12 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     row's tau from them, the outputs.
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile.
-    `programs_per_sm` and `stages` as in `rows_launch`. The other keyword arguments override
-    the launch heuristics (benchmarks, tests).
+    `programs_per_sm` as in `rows_launch`. The other keyword arguments override the launch
+    heuristics (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
-                and programs_per_sm is None and stages is None)
+                and programs_per_sm is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -907,7 +885,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
         return y
     launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
                 x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
-                newton=True, stages=stages)
+                newton=True)
     return y
 
 
