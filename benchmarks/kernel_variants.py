@@ -113,7 +113,8 @@ def load_module(path):
     """A kernels module from a file: an earlier version kept to time against in the same run."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("baseline_kernels", path)
+    # Named inside flashmax.kernels, so that its relative imports resolve.
+    spec = importlib.util.spec_from_file_location("flashmax.kernels.baseline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
