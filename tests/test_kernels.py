@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from flashmax import reference  # noqa: E402
 from flashmax.kernels import sparsemax as kernels  # noqa: E402
-from oracle import assert_close_to_oracle, oracle  # noqa: E402
+from oracle import ROWS_AT_TAU, assert_close_to_oracle, oracle, support_gradient  # noqa: E402
 
 DEVICE = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu")
 ON_GPU = DEVICE == "cuda"
@@ -228,6 +228,18 @@ def test_backward_matches_formula(dtype, n, chunk):
     want = reference.sparsemax_backward(y.double(), g.double())
     tol = 1e-12 if dtype == torch.float64 else torch.finfo(dtype).eps * 4
     assert torch.allclose(dx.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [None, 8], ids=["in-registers", "split"])
+def test_entries_at_tau_are_outside_the_support(dtype, chunk):
+    x = torch.tensor(ROWS_AT_TAU, dtype=dtype, device=DEVICE)
+    y = forward(x, chunk=chunk)
+    assert torch.equal(y > 0, oracle(x) > 0)
+    g = make("randn", *x.shape, dtype, seed=23)
+    dx = kernels.sparsemax_backward(y, g, 1, chunk=chunk)
+    want = support_gradient(x, g)
+    assert torch.allclose(dx.double(), want, rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
 def test_backward_strided_grad():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import flashmax
 from flashmax import Sparsemax, sparsemax
 from flashmax import reference
-from oracle import assert_close_to_oracle, oracle, relative_error
+from oracle import ROWS_AT_TAU, assert_close_to_oracle, oracle, relative_error, support_gradient
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -518,6 +518,19 @@ def test_backward_formula(dtype, dim, layout):
     assert int((y > 0).sum()) > x.numel() // 63, "the test needs non-trivial supports"
     (dx,) = torch.autograd.grad(y, x, g)
     check_grad(dx, expected_grad(y.detach(), g, dim), g, f"backward {dtype} dim={dim} {layout}")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_entries_at_tau_are_outside_the_support(dtype):
+    # An entry exactly at tau has y = 0, so the gradient leaves it out, as exact arithmetic does.
+    x = torch.tensor(ROWS_AT_TAU, dtype=dtype, requires_grad=True)
+    y = sparsemax(x)
+    assert torch.equal(y > 0, oracle(x.detach()) > 0)
+    g = make_input(tuple(x.shape), -1, dtype, seed=98)
+    (dx,) = torch.autograd.grad(y, x, g)
+    want = support_gradient(x.detach(), g)
+    atol = {torch.float16: 1e-2, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
+    assert torch.allclose(dx.double(), want, rtol=0, atol=atol)
 
 
 def test_backward_with_broadcast_grad():

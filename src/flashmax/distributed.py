@@ -198,8 +198,7 @@ class SliceRows:
         return self.z
 
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        y = self._z(row_max).sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
-        y = self._outputs(y)
+        y = self._outputs(self._z(row_max), pivot, step)
         y.masked_fill_(~torch.isfinite(row_max).unsqueeze(-1), torch.nan)
         return _from_rows(y, self.x, self.dim)
 
@@ -217,8 +216,8 @@ class TorchShard(SliceRows):
         return reference.threshold(z)
 
     @staticmethod
-    def _outputs(clipped):
-        return clipped
+    def _outputs(z, pivot, step):
+        return reference.sparsemax_outputs(z, pivot, step)
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """[points, 3, rows] float64: sum, count and smallest of d = z - tau over d > 0, for
@@ -448,8 +447,8 @@ class Entmax15Shard(SliceRows):
         return reference_entmax.entmax15_threshold(z, z.new_full(z.shape[:1], -1.0))
 
     @staticmethod
-    def _outputs(clipped):
-        return clipped.square_()
+    def _outputs(z, pivot, step):
+        return z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0).square_()
 
     def sums(self, row_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
         """[4, rows] float64: the reference's `support_sums` of this slice at tau."""

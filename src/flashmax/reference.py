@@ -92,6 +92,21 @@ def threshold(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return newton_threshold(_pack_groups(groups, maxima > lower.unsqueeze(-1)), lower)
 
 
+# Outputs at most this fraction of |tau| are 0 (per compute dtype: 4 and 2 ulps of tau's own
+# magnitude). Inputs on a coarse grid (bf16) often lie exactly at tau, and tau's rounding leaves
+# such an entry a few 1e-9 above 0 in fp32: inside the support the backward takes from y > 0,
+# which then differs from exact arithmetic's by that entry (NOTES, "bf16 ties with tau").
+ZERO_BELOW = {torch.float32: 2.0**-22, torch.float64: 2.0**-51}
+
+
+def sparsemax_outputs(z: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """max(z - tau, 0) over the last dim, tau = pivot + step per row, with outputs within
+    rounding of tau (ZERO_BELOW) set to 0; in place on z."""
+    tol = (pivot + step).abs().mul_(ZERO_BELOW[z.dtype]).unsqueeze(-1)
+    y = z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1))
+    return y.masked_fill_(y <= tol, 0)
+
+
 def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
     """Sparsemax over the last dim of x (float32/float64, at least one feature); contiguous.
 
@@ -107,8 +122,7 @@ def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
     z = rows - row_max
     if any_bad:
         z.masked_fill_(bad, -torch.inf)
-    pivot, step = threshold(z)
-    y = z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0)
+    y = sparsemax_outputs(z, *threshold(z))
     if any_bad:
         y.masked_fill_(bad, torch.nan)
     return y.view(x.shape)

@@ -189,10 +189,14 @@ def _is_bad(row_max):
 
 @triton.jit
 def _sparsemax_tile(z, pivot, step, bad):
-    # A bad row's step is NaN, which the NaN-propagating maximum carries to every entry.
+    """max(z - tau, 0) with tau = pivot + step, and 0 within rounding of tau
+    (`reference.ZERO_BELOW`)."""
+    # A bad row's step is NaN: every entry's y is NaN, which `y <= tol` (false) keeps.
     step = tl.where(bad, float("nan"), step)
-    return tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0,
-                      propagate_nan=tl.PropagateNan.ALL)
+    zero_below: tl.constexpr = 2.0**-22 if z.dtype == tl.float32 else 2.0**-51
+    tol = tl.abs(pivot + step) * zero_below
+    y = (z - pivot[:, None, None]) - step[:, None, None]
+    return tl.where(y <= tol[:, None, None], 0.0, y)
 
 
 @triton.jit
