@@ -328,7 +328,7 @@ def loss_kernel(
         t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
         p = t * t
     else:
-        pivot, step = _tile_threshold(z, _group_max(z), GROUP)
+        pivot, step, _ = _tile_threshold(z, _group_max(z), GROUP)
         p = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     target = tl.load(T + rows, mask=rows < n_rows, other=ignore_index)

@@ -133,27 +133,31 @@ def _newton_update(total, count, smallest, pivot, step, centre, done):
 @triton.jit
 def _newton_threshold(z, tau):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
-    allowed) from lower bounds tau [BLOCK_M]."""
+    allowed) from lower bounds tau [BLOCK_M], and the smallest z - pivot of the last step's
+    support (so the smallest positive output is that minus step)."""
     pivot = tau
     step = tl.zeros_like(tau)
     centre = tl.zeros_like(tau)
+    smallest = tl.full(tau.shape, float("inf"), tau.dtype)
     done = tau != tau
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
-        total, count, smallest = _step_sums(z, pivot + step, centre)
-        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
-                                                   done)
+        total, count, step_smallest = _step_sums(z, pivot + step, centre)
+        smallest = tl.where(done, smallest, step_smallest)
+        pivot, step, centre, done = _newton_update(total, count, step_smallest, pivot, step,
+                                                   centre, done)
         pending = tl.sum((~done).to(tl.int32), axis=0)
-    return pivot, step
+    return pivot, step, smallest
 
 
 @triton.jit
 def _tile_threshold(z, group_z, GROUP: tl.constexpr):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0,
-    starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH]."""
+    starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH], and the smallest
+    entry of the last step's support (`_newton_threshold`)."""
     tau = tl.full([z.shape[0]], -1.0, z.dtype)
     if GROUP > 1:
-        pivot, step = _newton_threshold(tl.expand_dims(group_z, 1), tau)
+        pivot, step, _ = _newton_threshold(tl.expand_dims(group_z, 1), tau)
         tau = pivot + step
     return _newton_threshold(z, tau)
 
@@ -188,15 +192,31 @@ def _is_bad(row_max):
 
 
 @triton.jit
-def _sparsemax_tile(z, pivot, step, bad):
-    """max(z - tau, 0) with tau = pivot + step, and 0 within rounding of tau
-    (`reference.ZERO_BELOW`)."""
-    # A bad row's step is NaN: every entry's y is NaN, which `y <= tol` (false) keeps.
+def _zero_below(tau):
+    """Outputs at most this are 0 (`reference.ZERO_BELOW`): 4 ulps of |tau| (fp32; 2 in fp64)."""
+    return tl.abs(tau) * (2.0**-22 if tau.dtype == tl.float32 else 2.0**-51)
+
+
+@triton.jit
+def _tied(pivot, step, smallest):
+    """Whether a row's smallest positive output (smallest - step, `_newton_threshold`) may be
+    within rounding of tau: an entry tied with tau, as entries on a coarse grid (bf16) often
+    are. A negative final step may leave entries at the pivot just above 0 as well."""
+    return (smallest - step <= _zero_below(pivot + step)) | (step < 0)
+
+
+@triton.jit
+def _sparsemax_tile(z, pivot, step, bad, tied):
+    """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tied`, outputs within
+    rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
+    exact arithmetic. Other tiles skip that test per entry."""
+    # A bad row's step is NaN: the NaN-propagating maximum, and `y <= tol` (false), keep it.
     step = tl.where(bad, float("nan"), step)
-    zero_below: tl.constexpr = 2.0**-22 if z.dtype == tl.float32 else 2.0**-51
-    tol = tl.abs(pivot + step) * zero_below
     y = (z - pivot[:, None, None]) - step[:, None, None]
-    return tl.where(y <= tol[:, None, None], 0.0, y)
+    out = tl.maximum(y, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    if tl.max(tied.to(tl.int32), axis=0) > 0:
+        out = tl.where(y <= _zero_below(pivot + step)[:, None, None], 0.0, y)
+    return out
 
 
 @triton.jit
@@ -259,8 +279,8 @@ def _sparsemax_rows(x, GROUP: tl.constexpr):
     group_max = _group_max(x)
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
-    pivot, step = _tile_threshold(z, group_max - row_max[:, None], GROUP)
-    return _sparsemax_tile(z, pivot, step, _is_bad(row_max))
+    pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
+    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tied(pivot, step, smallest))
 
 
 @triton.jit
@@ -359,8 +379,8 @@ def sparsemax_split_bounds_kernel(
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
     group_max = _group_max(x)
     chunk_max = _row_max(group_max)
-    pivot, step = _newton_threshold(tl.expand_dims(group_max - chunk_max[:, None], 1),
-                                    tl.full([1], -1.0, x.dtype))
+    pivot, step, _ = _newton_threshold(tl.expand_dims(group_max - chunk_max[:, None], 1),
+                                       tl.full([1], -1.0, x.dtype))
     bound = pivot + step
     # A margin of a few ulps: the later passes compare in the row's coordinates, rounded
     # differently, and must never find a support entry that is not a candidate.
@@ -512,6 +532,8 @@ def sparsemax_split_write_kernel(
     pivot = tl.load(state + STATE_PIVOT + tl.arange(0, 1))
     step = tl.load(state + STATE_STEP + tl.arange(0, 1))
     bad = _is_bad(row_max)
+    # The row's last Newton step is not at hand here: every row takes the test for ties.
+    every_row = tl.full(bad.shape, True, tl.int1)
     split = pid % n_splits
     count, stored = _chunk_extent(PART, row, split, n_splits, n, CHUNK)[1:]
     if stored & (count <= SPARSE):
@@ -531,7 +553,7 @@ def sparsemax_split_write_kernel(
         tl.store(Y + y_off, zero.to(Y.dtype.element_ty), mask=mask)
         tl.debug_barrier()
         cand_z = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
-        cand_y = tl.reshape(_sparsemax_tile(cand_z, pivot, step, bad), [SPARSE])
+        cand_y = tl.reshape(_sparsemax_tile(cand_z, pivot, step, bad, every_row), [SPARSE])
         tl.store(Y + _entry_offsets(row, split * CHUNK + index, inner, y_stride_outer,
                                     y_stride_inner, y_stride_n, WIDE),
                  cand_y.to(Y.dtype.element_ty), mask=live)
@@ -542,8 +564,8 @@ def sparsemax_split_write_kernel(
                              y_stride_n, CHUNK, GROUP, WIDE)[1]
         x = tl.load(X + x_off, mask=mask, other=-float("inf"))
         z = x.to(row_max.dtype) - row_max[:, None, None]
-        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad).to(Y.dtype.element_ty),
-                 mask=mask)
+        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad, every_row).to(
+            Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
