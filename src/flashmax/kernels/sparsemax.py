@@ -212,10 +212,13 @@ def _sparsemax_tile(z, pivot, step, bad, tied):
     exact arithmetic. Other tiles skip that test per entry."""
     # A bad row's step is NaN: the NaN-propagating maximum, and `y <= tol` (false), keep it.
     step = tl.where(bad, float("nan"), step)
-    y = (z - pivot[:, None, None]) - step[:, None, None]
-    out = tl.maximum(y, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    # Each branch makes its outputs from z: one tile live, not y and the outputs both.
     if tl.max(tied.to(tl.int32), axis=0) > 0:
+        y = (z - pivot[:, None, None]) - step[:, None, None]
         out = tl.where(y <= _zero_below(pivot + step)[:, None, None], 0.0, y)
+    else:
+        out = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0,
+                         propagate_nan=tl.PropagateNan.ALL)
     return out
 
 
