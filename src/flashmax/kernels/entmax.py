@@ -155,8 +155,9 @@ def _load_z(X, off, mask, row_max):
 
 
 @triton.jit
-def _entmax15_rows(x, GROUP: tl.constexpr):
-    """entmax-1.5 of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype."""
+def _entmax15_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
+    """entmax-1.5 of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype (the same
+    code whether the program holds the next tile, PREFETCHING, or not)."""
     row_max = _tile_max(x)
     z = (x - row_max[:, None, None]) * 0.5
     pivot, step, _ = _entmax_tile_threshold(z, GROUP)
