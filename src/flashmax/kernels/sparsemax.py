@@ -206,6 +206,19 @@ def _tied(pivot, step, smallest):
 
 
 @triton.jit
+def _above_tau(z, pivot, step):
+    """z - tau per entry of a [BLOCK_M, A, B] tile, as (z - pivot) - step: each output rounds
+    nearly relative to itself (`_newton_update`)."""
+    return (z - pivot[:, None, None]) - step[:, None, None]
+
+
+@triton.jit
+def _zero_at_tau(y, tau):
+    """y = z - tau with the entries within rounding of tau (and below) 0; NaN stays NaN."""
+    return tl.where(y <= _zero_below(tau)[:, None, None], 0.0, y)
+
+
+@triton.jit
 def _sparsemax_tile(z, pivot, step, bad, tied, PREFETCHING: tl.constexpr):
     """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tied`, outputs within
     rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
@@ -213,24 +226,22 @@ def _sparsemax_tile(z, pivot, step, bad, tied, PREFETCHING: tl.constexpr):
 
     Two shapes of the same code, measured on an H200 (NOTES, v16): without a prefetched tile,
     each branch makes its outputs from z (one tile live: no spills at 16384 and 32768 entries,
-    10-25% faster there); with one (PREFETCHING), z - tau is made once before the branch,
-    which kept ptxas from delaying the prefetch (bf16 8-12% faster from 2048 to 8192).
+    7-11% faster there on randn rows); with one (PREFETCHING), z - tau is made once before the
+    branch (the other shape lost 8-12% there in bf16: the prefetch no longer overlapped).
     """
     # A bad row's step is NaN: the NaN-propagating maximum, and `y <= tol` (false), keep it.
     step = tl.where(bad, float("nan"), step)
     any_tied = tl.max(tied.to(tl.int32), axis=0) > 0
     if PREFETCHING:
-        y = (z - pivot[:, None, None]) - step[:, None, None]
+        y = _above_tau(z, pivot, step)
         out = tl.maximum(y, 0.0, propagate_nan=tl.PropagateNan.ALL)
         if any_tied:
-            out = tl.where(y <= _zero_below(pivot + step)[:, None, None], 0.0, y)
+            out = _zero_at_tau(y, pivot + step)
     else:
         if any_tied:
-            y = (z - pivot[:, None, None]) - step[:, None, None]
-            out = tl.where(y <= _zero_below(pivot + step)[:, None, None], 0.0, y)
+            out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
         else:
-            out = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0,
-                             propagate_nan=tl.PropagateNan.ALL)
+            out = tl.maximum(_above_tau(z, pivot, step), 0.0, propagate_nan=tl.PropagateNan.ALL)
     return out
 
 
