@@ -105,10 +105,15 @@ def entmax15_forward(x: torch.Tensor) -> torch.Tensor:
     pivot, step = entmax15_threshold(maxima, z.new_full(maxima.shape[:1], -1.0))
     lower = (pivot + step).clamp_min(-1.0)
     pivot, step = entmax15_threshold(_pack_groups(groups, maxima > lower.unsqueeze(-1)), lower)
-    y = z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0).square_()
+    y = entmax15_outputs(z, pivot, step)
     if any_bad:
         y.masked_fill_(bad, torch.nan)
     return y.view(x.shape)
+
+
+def entmax15_outputs(z: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """max(z - tau, 0)^2 over the last dim, tau = pivot + step per row; in place on z."""
+    return z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1)).clamp_min_(0).square_()
 
 
 def entmax15_backward(y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
