@@ -93,18 +93,20 @@ def forward_launcher(module, config, rows, n, name="sparsemax_forward"):
 
 
 def compiled_forwards(module):
-    """The forward kernel's compiled variants so far (any device), by identity."""
-    kernel = module.FORWARD_LAUNCHES.kernel
-    return {id(k): k for caches in kernel.device_caches.values() for k in caches[0].values()}
+    """The compiled variants so far (any device) of the module's kernels, by identity, with
+    their kernel's name: the forward's, and the split passes' of long rows."""
+    jitted = [k for k in vars(module).values() if isinstance(k, triton.runtime.JITFunction)]
+    return {id(k): (kernel.__name__, k) for kernel in jitted
+            for caches in kernel.device_caches.values() for k in caches[0].values()}
 
 
 def resources(kernels):
     """Registers, spills, shared memory and whether Triton pipelined a load through shared
     memory (cp.async), of each compiled kernel."""
     out = []
-    for k in kernels:
+    for name, k in kernels:
         k._init_handles()
-        out.append(dict(regs=k.n_regs, spills=k.n_spills, shared=k.metadata.shared,
+        out.append(dict(kernel=name, regs=k.n_regs, spills=k.n_spills, shared=k.metadata.shared,
                         pipelined="async_copy_global_to_local" in k.asm.get("ttgir", "")))
     return out
 
@@ -279,7 +281,7 @@ def main():
         extra = (f" forward op {r['forward_op_us']:.1f} launch {r['forward_launch_us']:.1f}"
                  if "forward_op_us" in r else "")
         for k in r.get("kernels", []):
-            extra += (f" [{k['regs']}r {k['spills']}sp {k['shared'] // 1024}K"
+            extra += (f" [{k.get('kernel', '')[:-len('_kernel')]} {k['regs']}r {k['spills']}sp {k['shared'] // 1024}K"
                       f"{' cp.async' if k['pipelined'] else ''}]")
         shape = f"{r['rows']}x{r['n']}"
         print(f"{r['mode']:8} {r['variant']:11} {shape:>12} {r['dtype']:8} {r['dist']:9} "

@@ -441,8 +441,9 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
                     y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre,
                     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
                     WIDE: tl.constexpr):
-    """`_step_sums` of a split row at tau [1] over its chunks' candidates (the stored ones; a
-    chunk that stored none is read whole), SPLITS chunks times WIDTH entries at a time."""
+    """`_step_sums` of a split row at each of the taus [P] (centre [P]) over its chunks'
+    candidates (the stored ones; a chunk that stored none is read whole), SPLITS chunks times
+    WIDTH entries at a time."""
     total = tl.zeros_like(tau)
     count = tl.zeros_like(tau)
     smallest = tl.full(tau.shape, float("inf"), tau.dtype)
@@ -514,32 +515,36 @@ def sparsemax_split_threshold_kernel(
 
 @triton.jit
 def sparsemax_split_sums_kernel(
-    X, Y, PART, ROW_MAX, TAUS, CENTRE, STATS, n_splits, n_rows, n, inner,
+    X, Y, PART, ROW_MAX, TAUS, CENTRE, STATS, n_splits, n_rows, n, inner, n_points,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
-    CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
+    CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, POINTS: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
-    """Pass 2 of a row split across ranks (`flashmax.distributed`), one program per row and
-    point: STATS[point, (sum, count, smallest), row] of d = z - tau over d > 0 at
-    tau = TAUS[point, row] (NaN: a finished row, not read), over the row's candidates. The sum
-    is that of d - CENTRE[row] plus count * centre in float64 (see _step_sums)."""
-    row, point = tl.program_id(0), tl.program_id(1)
-    tau = tl.load(TAUS + point * n_rows + row)
-    centre = tl.load(CENTRE + row + tl.arange(0, 1))
-    total = tl.zeros_like(centre)
-    count = tl.zeros_like(centre)
-    smallest = tl.full(centre.shape, float("inf"), centre.dtype)
-    if tau == tau:
+    """Pass 2 of a row split across ranks (`flashmax.distributed`), one program per row:
+    STATS[point, (sum, count, smallest), row] of d = z - tau over d > 0 at each of the row's
+    n_points taus TAUS[point, row] (NaN: a finished row, not read), over the row's candidates,
+    read once for all points. The sum is that of d - CENTRE[row] plus count * centre in
+    float64 (see _step_sums)."""
+    row = tl.program_id(0)
+    points = tl.arange(0, POINTS)
+    tau = tl.load(TAUS + points * n_rows + row, mask=points < n_points, other=float("nan"))
+    centre = tl.load(CENTRE + row) + tl.zeros_like(tau)
+    total = tl.zeros_like(tau)
+    count = tl.zeros_like(tau)
+    smallest = tl.full(tau.shape, float("inf"), tau.dtype)
+    if tl.max((tau == tau).to(tl.int32), 0) > 0:
         row_max = tl.load(ROW_MAX + row + tl.arange(0, 1))
         total, count, smallest = _candidate_sums(
             X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-            y_stride_outer, y_stride_inner, y_stride_n, row_max, tau + tl.zeros_like(centre),
-            centre, CHUNK, SPLITS, WIDTH, WIDE)
+            y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre, CHUNK, SPLITS,
+            WIDTH, WIDE)
     count = count.to(tl.float64)
-    out = STATS + point * 3 * n_rows + row + tl.arange(0, 1)
-    tl.store(out, total.to(tl.float64) + count * centre.to(tl.float64))
-    tl.store(out + n_rows, count)
-    tl.store(out + 2 * n_rows, smallest.to(tl.float64))
+    out = STATS + points * 3 * n_rows + row
+    live = points < n_points
+    tl.store(out, total.to(tl.float64) + count * centre.to(tl.float64), mask=live)
+    tl.store(out + n_rows, count, mask=live)
+    tl.store(out + 2 * n_rows, smallest.to(tl.float64), mask=live)
 
 
 @triton.jit
@@ -817,9 +822,13 @@ class SplitRows:
         self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
         tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
-        self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits,
-                             WIDTH=max(1, min(tile // splits, self.chunk // 2)), WIDE=wide,
-                             num_warps=max(1, min(16, tile // 1024)))
+        self.tile_entries = tile
+        self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits, WIDTH=self._width(splits),
+                             WIDE=wide, num_warps=max(1, min(16, tile // 1024)))
+
+    def _width(self, splits: int, points: int = 1) -> int:
+        """A row pass's candidates per chunk at a time: the tile holds points x splits x that."""
+        return max(1, min(self.tile_entries // (splits * points), self.chunk // 2))
 
     def bounds(self):
         """Pass 1: PART (per chunk: max, bound, candidates), and the candidates stored in y."""
@@ -838,11 +847,17 @@ class SplitRows:
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """[points, 3, rows] float64: one Newton step's (sum, count, smallest) of each row at
         each point's tau (`taus` [points, rows], each at or above the row's chunk bounds)."""
-        stats = torch.empty((taus.shape[0], 3, self.n_rows), dtype=torch.float64,
+        n_points = taus.shape[0]
+        stats = torch.empty((n_points, 3, self.n_rows), dtype=torch.float64,
                             device=taus.device)
-        sparsemax_split_sums_kernel[(self.n_rows, taus.shape[0])](
-            self.x, self.y, self.part, row_max, taus.contiguous(), centre, stats, self.n_splits,
-            self.n_rows, self.n, self.inner, *self.strides, **self.row_pass)
+        points = _next_power_of_2(n_points)
+        launch = dict(self.row_pass, POINTS=points, WIDTH=self._width(self.row_pass["SPLITS"],
+                                                                       points))
+        tensors = (self.x, self.y, self.part, row_max, taus.contiguous(), centre, stats)
+        scalars = (self.n_splits, self.n_rows, self.n, self.inner, n_points, *self.strides)
+        key = (tensor_key(*tensors), scalars)
+        if not SUMS_LAUNCHES.replay(key, *tensors):
+            SUMS_LAUNCHES.launch(key, (self.n_rows,), tensors, scalars, launch)
         return stats
 
     def write(self, state: torch.Tensor):
@@ -853,6 +868,7 @@ class SplitRows:
 
 
 FORWARD_LAUNCHES = LaunchCache(sparsemax_forward_kernel)
+SUMS_LAUNCHES = LaunchCache(sparsemax_split_sums_kernel)  # once per Newton step across ranks
 BACKWARD_LAUNCHES = LaunchCache(sparsemax_backward_kernel)
 
 
