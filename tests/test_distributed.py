@@ -185,7 +185,8 @@ def newton_steps_and_collectives_bounded(rank, world):
 @case(*ALL)
 def every_ladder_is_exact(rank, world):
     """With 2 points per step (Newton and the bracket's midpoint) or more: exact, within
-    max_steps, each step one collective of the ladder's sums."""
+    max_steps, each step one collective of the ladder's sums; the same with the host reading
+    the flags late."""
     for dtype in (torch.float32, torch.float64):
         x = torch.cat([adversarial_rows(200, dtype),
                        make_input((8, 200), 1, dtype, seed=5, kind="spike")])
@@ -197,6 +198,16 @@ def every_ladder_is_exact(rank, world):
                 check_against_oracle(whole(y_local, 1), x, 1)
                 assert steps <= distributed.max_steps(200, dtype), steps
                 assert comm.trace[-1][1] == (ladder, 3, x.shape[0]), comm.trace[-1]
+                # The host reading each step's flags 2 steps late: the steps queued past the
+                # last repeat it, so the output is the same.
+                late = distributed._local_work(my_slice(x, 1, widths), 1)
+                late.lookahead = 2
+                y_late, late_steps = distributed.sharded_forward(
+                    my_slice(x, 1, widths), 1, distributed.Collectives(WORLD), 200, local=late,
+                    ladder=ladder)
+                torch.testing.assert_close(y_late, y_local, rtol=0, atol=0, equal_nan=True,
+                                           msg=f"ladder {ladder}, widths {widths}")
+                assert steps <= late_steps <= min(steps + 2, distributed.max_steps(200, dtype))
 
 
 @case(*INTERPRETED)

@@ -30,9 +30,11 @@ its lower end is exact: so the steps are capped by the floating-point resolution
 The local work is pure torch on CPU tensors and Triton kernels on CUDA tensors
 (`flashmax.kernels.distributed`: the single-device split passes, which read the slice once and
 then only the candidates above each chunk's bound; each step's update is one small kernel).
-Whether to go on is decided on the host, from the rows' "done" flags; on CUDA the host reads a
-step's flags only after queueing the next `lookahead` steps, so that it never leaves the device
-idle for a round trip (a step queued after the last repeats the answer, unchanged).
+Whether to go on is decided on the host, from the rows' "done" flags; the host may read a
+step's flags only after queueing the next `lookahead` steps (a step queued after the last
+repeats the answer, unchanged), so as not to leave the device idle for a round trip. On two
+H200s the steps are bound by the host's launches, not the device, and reading each step's
+flags at once was the faster (`TritonShard.lookahead`).
 """
 
 import math
@@ -307,13 +309,16 @@ def combine(summaries, scale: float = 1.0):
     return row_max, taus.amax(0).clamp_min(-1.0)
 
 
-def _all_done(done):
+def _all_done(done, host=None):
     """A function that says whether every row is done, reading `done` as of now in stream
-    order; on CUDA it waits for that point of the stream only, not for later work."""
+    order; on CUDA it waits for that point of the stream only, not for later work, through
+    `host` (a 0-dim bool in pinned memory, not used before; allocated if None)."""
     flag = done.all()
     if not flag.is_cuda:
         return lambda: bool(flag)
-    host = torch.empty((), dtype=torch.bool, pin_memory=True).copy_(flag, non_blocking=True)
+    if host is None:
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
 
@@ -363,16 +368,19 @@ def sharded_forward(x, dim, comm: Collectives, width: int, local=None, ladder=No
     points = next_points(pivot, step, hi, done, ladder)
     # Each queued step's "every row done", read local.lookahead steps later, so that the host
     # queues the next steps while the device works (a step after the last only repeats it).
-    finished = [_all_done(done)]
+    cap = max_steps(width, bound.dtype)
+    # The flags' host copies, one per step, allocated once (pinned memory is slow to allocate).
+    flags = torch.empty(cap + 1, dtype=torch.bool, pin_memory=done.is_cuda)
+    finished = [_all_done(done, flags[0])]
     steps = 0
-    while steps < max_steps(width, bound.dtype):
+    while steps < cap:
         if len(finished) > local.lookahead and finished.pop(0)():
             break
         everyone = comm.all_gather(local.sums(row_max, points, centre))
         pivot, step, done, hi, centre, points = local.advance(
             everyone, points, pivot, step, done, hi)
-        finished.append(_all_done(done))
         steps += 1
+        finished.append(_all_done(done, flags[steps]))
     return local.write(row_max, pivot, step), steps
 
 

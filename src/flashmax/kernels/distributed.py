@@ -103,9 +103,11 @@ class TritonShard:
     """One rank's slice, read once; the interface of `flashmax.distributed.TorchShard`.
     `chunk` and the other keyword arguments override the split launch (tests)."""
 
-    # Newton steps queued before the driver reads whether an earlier one finished every row:
-    # a step is a few short launches, and reading a flag waits for the device to get there.
-    lookahead = 1
+    # Newton steps queued before the driver reads whether an earlier one finished every row.
+    # Measured on two H200s at 2048 x 1048576 (benchmarks/NOTES.md, distributed v3): the host
+    # takes longer to queue a step than the device to run it, so 1 only added a step (0.11
+    # and 0.17 ms slower than 0 in two runs).
+    lookahead = 0
 
     def __init__(self, x: torch.Tensor, dim: int, chunk=None, **launch):
         self.y, x, self.n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, None, dim, chunk)
