@@ -5,8 +5,9 @@
 
 Every rank builds the same x (same seed) and keeps its contiguous slice of the features. The
 baseline is `flashmax.sparsemax` on whole rows on rank 0's device alone (the other ranks wait);
-the sharded run is `flashmax.sparsemax(x_slice, group=...)` on every rank, timed as the slowest
-rank's wall time of each call (host syncs included: the call has one per Newton step). Times
+the sharded run is `flashmax.sparsemax(x_slice, group=...)` on every rank (with one rank, the
+split loop itself: its overhead on one device, `torchrun --nproc-per-node 1`), timed as the
+slowest rank's wall time of each call (host syncs included: one per Newton step). Times
 are medians. The collectives of one call are counted, and replayed alone (same ops, sizes and
 host syncs) to give their share of the call's time. Correctness: each rank's slice against the
 single-device result of its own copy of the whole rows, and against a float64 oracle on a few
@@ -222,6 +223,12 @@ def run(args, group) -> dict:
     g_local = torch.randn_like(y_local)
 
     def split_forward():
+        if world == 1:
+            # A group of one is the plain call: time the split loop itself (its overhead
+            # against the whole rows, measurable on one GPU).
+            loop_comm = distributed.Collectives(group)
+            distributed.agree(x_local, -1, loop_comm)
+            return distributed.sharded_forward(x_local, 1, loop_comm, args.features)[0]
         return flashmax.sparsemax(x_local, -1, group=group)
 
     def split_forward_ms_with(owner, knob, values):
