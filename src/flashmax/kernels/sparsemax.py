@@ -27,6 +27,7 @@ steps are taken across ranks, each a launch of the sums kernel over the candidat
 """
 
 import functools
+import os
 
 import torch
 import triton
@@ -388,12 +389,49 @@ def _chunk_extent(PART, row, splits, n_splits, n, CHUNK: tl.constexpr):
     return length, count, 2 * count <= length
 
 
+def scatter_asm() -> bool:
+    """Whether kernels may store through inline assembly: not under Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+@triton.jit
+def _scatter(pointers, bits, keep, ASM: tl.constexpr):
+    """tl.store(pointers, bits as the pointers' type, mask=keep != 0) for scattered pointers,
+    with bits integers of the stored element's width.
+
+    A tl.store whose addresses are not contiguous makes Triton first re-lay the pointers, the
+    values and the mask as one element per thread, through shared memory in pieces with a
+    barrier each (pass 1's [1, 8, 1024] tile over 4 warps: 89 barriers a program, 17 without;
+    sm_90, triton 3.9). With ASM each thread stores the elements it holds, one predicated
+    st.global each, in the tile's own layout.
+    """
+    if ASM:
+        if bits.dtype.primitive_bitwidth == 16:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred %p; setp.ne.s32 %p, $3, 0; @%p st.global.b16 [$1], $2; "
+                "mov.b32 $0, 0; }", "=r,l,h,r", [pointers, bits, keep], dtype=tl.int32,
+                is_pure=False, pack=1)
+        elif bits.dtype.primitive_bitwidth == 32:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred %p; setp.ne.s32 %p, $3, 0; @%p st.global.b32 [$1], $2; "
+                "mov.b32 $0, 0; }", "=r,l,r,r", [pointers, bits, keep], dtype=tl.int32,
+                is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred %p; setp.ne.s32 %p, $3, 0; @%p st.global.b64 [$1], $2; "
+                "mov.b32 $0, 0; }", "=r,l,l,r", [pointers, bits, keep], dtype=tl.int32,
+                is_pure=False, pack=1)
+    else:
+        tl.store(pointers, bits.to(pointers.dtype.element_ty, bitcast=True), mask=keep != 0)
+
+
 @triton.jit
 def sparsemax_split_bounds_kernel(
     X, Y, PART, n_splits, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
+    SCATTER_ASM: tl.constexpr,
 ):
     """Split pass 1, one chunk per program: the chunk's max, the exact tau of its group maxima
     (a lower bound on the row's tau relative to that max), and its candidates: the entries
@@ -425,10 +463,8 @@ def sparsemax_split_bounds_kernel(
         index = tl.arange(0, GROUP)[:, None] * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
         y_row = Y + _entry_offsets(row, start + slot, inner, y_stride_outer, y_stride_inner,
                                    y_stride_n, WIDE)
-        tl.store(y_row, x_in.to(Y.dtype.element_ty), mask=keep != 0)
-        tl.store(y_row + count * y_stride_n,
-                 index[None, :, :].to(INDEX).to(Y.dtype.element_ty, bitcast=True),
-                 mask=keep != 0)
+        _scatter(y_row, x_in.to(Y.dtype.element_ty).to(INDEX, bitcast=True), keep, SCATTER_ASM)
+        _scatter(y_row + count * y_stride_n, index[None, :, :].to(INDEX), keep, SCATTER_ASM)
     part = PART + pid * PART_SIZE
     tl.store(part + PART_MAX, tl.reshape(chunk_max, []))
     tl.store(part + PART_BOUND, tl.reshape(bound, []))
@@ -834,7 +870,7 @@ class SplitRows:
         """Pass 1: PART (per chunk: max, bound, candidates), and the candidates stored in y."""
         sparsemax_split_bounds_kernel[self.grid](
             self.x, self.y, self.part, self.n_splits, self.n_rows, self.n, self.inner,
-            *self.strides, **self.tile)
+            *self.strides, **self.tile, SCATTER_ASM=scatter_asm())
 
     def threshold(self) -> torch.Tensor:
         """Pass 2: STATE [rows, STATE_SIZE], each row's max and exact (pivot, step)."""
