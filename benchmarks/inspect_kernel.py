@@ -1,0 +1,125 @@
+"""Compile a flashmax Triton kernel for an H200 (sm_90a) on any host, GPU or not, and report
+what decides its speed before spending GPU time: registers and spills (ptxas), barriers,
+shared-memory traffic and global accesses in the SASS, and the layout conversions Triton
+inserted (TTGIR).
+
+    python benchmarks/inspect_kernel.py sparsemax_split_bounds_kernel --warps 4 \\
+        --const CHUNK=8192 GROUP=8 INDEX=int32 WIDE=0 SCATTER_ASM=1
+
+The launch is specialised as the JIT specialises one over contiguous rows: pointers and the
+row length and outer strides divisible by 16, unit strides and `inner` constant 1. Pointer
+arguments (upper-case names) point to --dtype, scratch ones (PART, STATE) to its compute
+dtype, the rest are i32. Constexprs are given as NAME=VALUE (an int, or a tl dtype name).
+Triton's compiler and ptxas may allocate differently from the GPU machine's versions (v16,
+v18 in benchmarks/NOTES.md): compare variants built here with each other, then measure.
+`--out DIR` keeps the TTGIR, PTX and SASS.
+"""
+
+import argparse
+import collections
+import importlib
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+MODULES = ("flashmax.kernels.sparsemax", "flashmax.kernels.entmax",
+           "flashmax.kernels.entmax_bisect", "flashmax.kernels.distributed")
+COMPUTE = {"fp64": "fp64"}  # scratch pointers' dtype; fp32 otherwise
+SCRATCH = {"PART", "STATE", "STATS", "ROW_MAX", "TAUS", "CENTRE"}
+SASS_OPS = ("BAR", "STS", "LDS", "LDSM", "STSM", "LDG", "STG", "SHFL", "MUFU", "STL", "LDL")
+
+
+def find_kernel(name: str):
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        if isinstance(getattr(module, name, None), triton.runtime.JITFunction):
+            return getattr(module, name)
+    raise SystemExit(f"no kernel {name} in {', '.join(MODULES)}")
+
+
+def parse_value(text: str):
+    if hasattr(tl, text) and isinstance(getattr(tl, text), tl.dtype):
+        return getattr(tl, text)
+    return int(text)
+
+
+def specialise(fn, dtype: str, consts: dict):
+    """(signature, constexprs, attrs) of a contiguous-rows launch of fn."""
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(fn.params):
+        name = param.name
+        if param.is_constexpr:
+            if name not in consts:
+                raise SystemExit(f"{fn.__name__} needs --const {name}=...")
+            signature[name], constexprs[(index,)] = "constexpr", consts[name]
+        elif name.endswith(("stride_n", "stride_inner")) or name == "inner":
+            signature[name], constexprs[(index,)] = "constexpr", 1
+        elif name.isupper():
+            signature[name] = "*" + (COMPUTE.get(dtype, "fp32") if name in SCRATCH else dtype)
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name == "n" or name.endswith("stride_outer"):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def ptxas(ptx: str, out_dir: str) -> tuple[str, str]:
+    """(ptxas -v's register and spill lines, the SASS) of the PTX."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    # The bundled ptxas may be older than the PTX ISA triton writes; the kernels use nothing
+    # newer than 8.8.
+    ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.8", ptx, flags=re.M)
+    ptx_path, cubin = os.path.join(out_dir, "kernel.ptx"), os.path.join(out_dir, "kernel.cubin")
+    with open(ptx_path, "w") as f:
+        f.write(ptx)
+    done = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx_path,
+                           "-o", cubin], capture_output=True, text=True, check=True)
+    report = "\n".join(line.split("info    : ")[-1].strip() for line in done.stderr.splitlines()
+                       if "registers" in line or "spill" in line)
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin],
+                          capture_output=True, text=True, check=True).stdout
+    return report, sass
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel")
+    parser.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or fp64")
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--const", nargs="*", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--out", help="keep kernel.ttgir, kernel.ptx and kernel.sass here")
+    args = parser.parse_args()
+    fn = find_kernel(args.kernel)
+    consts = {name: parse_value(value) for name, value in
+              (item.split("=", 1) for item in args.const)}
+    signature, constexprs, attrs = specialise(fn, args.dtype, consts)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=args.warps))
+    out_dir = args.out or tempfile.mkdtemp(prefix="inspect_kernel.")
+    os.makedirs(out_dir, exist_ok=True)
+    ttgir = compiled.asm["ttgir"]
+    report, sass = ptxas(compiled.asm["ptx"], out_dir)
+    for name, text in (("kernel.ttgir", ttgir), ("kernel.sass", sass)):
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)
+    ops = collections.Counter(
+        match.group(1) for match in re.finditer(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?"
+                                                r"([A-Z0-9]+)", sass, flags=re.M))
+    print(f"{args.kernel} {args.dtype} warps={args.warps} "
+          f"{' '.join(f'{k}={v}' for k, v in consts.items())}")
+    print(report)
+    print(f"SASS instructions {sum(ops.values())}; "
+          + ", ".join(f"{op} {ops[op]}" for op in SASS_OPS if ops[op]))
+    print(f"layout conversions in TTGIR: {ttgir.count('ttg.convert_layout')}")
+
+
+if __name__ == "__main__":
+    main()
