@@ -293,3 +293,28 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, index", [("fp32", "int32"), ("bf16", "int16"), ("fp64", "int64")])
+def test_scatter_assembly_builds_for_sm90(dtype, index):
+    """Split pass 1's candidate stores are inline PTX on the GPU only (the interpreter runs
+    tl.store): build that kernel for an H200 here, through ptxas, for each output width, so
+    that a fault in the assembly shows on a machine without a GPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ptxas = Path(kernels.triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip(f"triton's wheel has no ptxas here ({ptxas})")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    chunk = 4096 if dtype == "fp64" else 8192
+    built = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "inspect_kernel.py"),
+         "sparsemax_split_bounds_kernel", "--dtype", dtype, "--warps", "4", "--const",
+         f"CHUNK={chunk}", "GROUP=8", f"INDEX={index}", "WIDE=0", "SCATTER_ASM=1"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert "registers" in built.stdout, built.stdout
