@@ -10,9 +10,9 @@ The launch is specialised as the JIT specialises one over contiguous rows: point
 row length and outer strides divisible by 16, unit strides and `inner` constant 1. Pointer
 arguments (upper-case names) point to --dtype, scratch ones (PART, STATE) to its compute
 dtype, the rest are i32. Constexprs are given as NAME=VALUE (an int, or a tl dtype name).
-Triton's compiler and ptxas may allocate differently from the GPU machine's versions (v16,
-v18 in benchmarks/NOTES.md): compare variants built here with each other, then measure.
-`--out DIR` keeps the TTGIR, PTX and SASS.
+Registers depend on the Triton release: run it with the GPU machine's (triton 3.6 there:
+`pip install --target DIR --no-deps triton==3.6.0`, then PYTHONPATH=DIR:src) and it reports
+what the GPU builds (NOTES v18). `--out DIR` keeps the TTGIR, PTX and SASS.
 """
 
 import argparse
@@ -73,14 +73,20 @@ def specialise(fn, dtype: str, consts: dict):
 def ptxas(ptx: str, out_dir: str) -> tuple[str, str]:
     """(ptxas -v's register and spill lines, the SASS) of the PTX."""
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    # The bundled ptxas may be older than the PTX ISA triton writes; the kernels use nothing
-    # newer than 8.8.
-    ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.8", ptx, flags=re.M)
     ptx_path, cubin = os.path.join(out_dir, "kernel.ptx"), os.path.join(out_dir, "kernel.cubin")
-    with open(ptx_path, "w") as f:
-        f.write(ptx)
-    done = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx_path,
-                           "-o", cubin], capture_output=True, text=True, check=True)
+    command = [os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx_path, "-o", cubin]
+    for _ in range(2):
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run(command, capture_output=True, text=True)
+        # The bundled ptxas may be older than the PTX ISA triton writes (the driver's JIT takes
+        # it on the GPU machine); the kernels use nothing that the older ISA lacks.
+        older = re.search(r"current version is '(\d+\.\d+)'", done.stderr)
+        if done.returncode == 0 or older is None:
+            break
+        ptx = re.sub(r"^\.version \d+\.\d+", f".version {older.group(1)}", ptx, flags=re.M)
+    if done.returncode:
+        raise SystemExit(f"ptxas failed:\n{done.stderr}")
     report = "\n".join(line.split("info    : ")[-1].strip() for line in done.stderr.splitlines()
                        if "registers" in line or "spill" in line)
     sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin],
