@@ -3,13 +3,14 @@ what decides its speed before spending GPU time: registers and spills (ptxas), b
 shared-memory traffic and global accesses in the SASS, and the layout conversions Triton
 inserted (TTGIR).
 
-    python benchmarks/inspect_kernel.py sparsemax_split_bounds_kernel --warps 4 \\
-        --const CHUNK=8192 GROUP=8 INDEX=int32 WIDE=0 SCATTER_ASM=1
+    python benchmarks/inspect_kernel.py sparsemax_forward_kernel --warps 4 \\
+        --const BLOCK_M=1 BLOCK_N=16384 GROUP=8 WIDE=0 PREFETCH=0
 
 The launch is specialised as the JIT specialises one over contiguous rows: pointers and the
 row length and outer strides divisible by 16, unit strides and `inner` constant 1. Pointer
 arguments (upper-case names) point to --dtype, scratch ones (PART, STATE) to its compute
-dtype, the rest are i32. Constexprs are given as NAME=VALUE (an int, or a tl dtype name).
+dtype, the rest are i32. Constexprs are given as NAME=VALUE (an int, a tl dtype name, else a
+string).
 Registers depend on the Triton release: run it with the GPU machine's (triton 3.6 there:
 `pip install --target DIR --no-deps triton==3.6.0`, then PYTHONPATH=DIR:src) and it reports
 what the GPU builds (NOTES v18). `--out DIR` keeps the TTGIR, PTX and SASS.
@@ -44,9 +45,13 @@ def find_kernel(name: str):
 
 
 def parse_value(text: str):
+    """A tl dtype by name, an int, else the text itself (a string constexpr)."""
     if hasattr(tl, text) and isinstance(getattr(tl, text), tl.dtype):
         return getattr(tl, text)
-    return int(text)
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def specialise(fn, dtype: str, consts: dict):

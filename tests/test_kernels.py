@@ -311,10 +311,12 @@ def test_scatter_assembly_builds_for_sm90(dtype, index):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
     chunk = 4096 if dtype == "fp64" else 8192
+    ptx, constraints = kernels.store_ptx(int(index[3:]) // 8)
     built = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "inspect_kernel.py"),
          "sparsemax_split_bounds_kernel", "--dtype", dtype, "--warps", "4", "--const",
-         f"CHUNK={chunk}", "GROUP=8", f"INDEX={index}", "WIDE=0", "SCATTER_ASM=1"],
+         f"CHUNK={chunk}", "GROUP=8", f"INDEX={index}", "WIDE=0", f"SCATTER_PTX={ptx}",
+         f"SCATTER_CONSTRAINTS={constraints}"],
         capture_output=True, text=True, env=env, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "registers" in built.stdout, built.stdout

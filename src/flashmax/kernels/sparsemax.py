@@ -389,38 +389,35 @@ def _chunk_extent(PART, row, splits, n_splits, n, CHUNK: tl.constexpr):
     return length, count, 2 * count <= length
 
 
-def scatter_asm() -> bool:
-    """Whether kernels may store through inline assembly: not under Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+def store_ptx(element_size: int) -> tuple[str, str]:
+    """(PTX, constraints) of `_scatter`'s store of one element of that many bytes: st.global
+    under the element's predicate, from the register that holds it."""
+    register, bits = {2: ("h", 16), 4: ("r", 32), 8: ("l", 64)}[element_size]
+    return (f"{{ .reg .pred %p; setp.ne.s32 %p, $3, 0; @%p st.global.b{bits} [$1], $2; "
+            f"mov.b32 $0, 0; }}", f"=r,l,{register},r")
+
+
+def scatter_ptx(element_size: int) -> tuple[str, str]:
+    """`store_ptx`, or ("", "") under Triton's interpreter, which runs no assembly."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "", ""
+    return store_ptx(element_size)
 
 
 @triton.jit
-def _scatter(pointers, bits, keep, ASM: tl.constexpr):
+def _scatter(pointers, bits, keep, PTX: tl.constexpr, CONSTRAINTS: tl.constexpr):
     """tl.store(pointers, bits as the pointers' type, mask=keep != 0) for scattered pointers,
     with bits integers of the stored element's width.
 
     A tl.store whose addresses are not contiguous makes Triton first re-lay the pointers, the
     values and the mask as one element per thread, through shared memory in pieces with a
     barrier each (pass 1's [1, 8, 1024] tile over 4 warps: 89 barriers a program, 17 without;
-    sm_90, triton 3.9). With ASM each thread stores the elements it holds, one predicated
-    st.global each, in the tile's own layout.
+    sm_90, triton 3.9). With PTX (`store_ptx`) each thread stores the elements it holds, one
+    predicated st.global each, in the tile's own layout.
     """
-    if ASM:
-        if bits.dtype.primitive_bitwidth == 16:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred %p; setp.ne.s32 %p, $3, 0; @%p st.global.b16 [$1], $2; "
-                "mov.b32 $0, 0; }", "=r,l,h,r", [pointers, bits, keep], dtype=tl.int32,
-                is_pure=False, pack=1)
-        elif bits.dtype.primitive_bitwidth == 32:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred %p; setp.ne.s32 %p, $3, 0; @%p st.global.b32 [$1], $2; "
-                "mov.b32 $0, 0; }", "=r,l,r,r", [pointers, bits, keep], dtype=tl.int32,
-                is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred %p; setp.ne.s32 %p, $3, 0; @%p st.global.b64 [$1], $2; "
-                "mov.b32 $0, 0; }", "=r,l,l,r", [pointers, bits, keep], dtype=tl.int32,
-                is_pure=False, pack=1)
+    if PTX != "":
+        tl.inline_asm_elementwise(PTX, CONSTRAINTS, [pointers, bits, keep], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     else:
         tl.store(pointers, bits.to(pointers.dtype.element_ty, bitcast=True), mask=keep != 0)
 
@@ -431,7 +428,7 @@ def sparsemax_split_bounds_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
-    SCATTER_ASM: tl.constexpr,
+    SCATTER_PTX: tl.constexpr, SCATTER_CONSTRAINTS: tl.constexpr,
 ):
     """Split pass 1, one chunk per program: the chunk's max, the exact tau of its group maxima
     (a lower bound on the row's tau relative to that max), and its candidates: the entries
@@ -463,8 +460,10 @@ def sparsemax_split_bounds_kernel(
         index = tl.arange(0, GROUP)[:, None] * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
         y_row = Y + _entry_offsets(row, start + slot, inner, y_stride_outer, y_stride_inner,
                                    y_stride_n, WIDE)
-        _scatter(y_row, x_in.to(Y.dtype.element_ty).to(INDEX, bitcast=True), keep, SCATTER_ASM)
-        _scatter(y_row + count * y_stride_n, index[None, :, :].to(INDEX), keep, SCATTER_ASM)
+        _scatter(y_row, x_in.to(Y.dtype.element_ty).to(INDEX, bitcast=True), keep, SCATTER_PTX,
+                 SCATTER_CONSTRAINTS)
+        _scatter(y_row + count * y_stride_n, index[None, :, :].to(INDEX), keep, SCATTER_PTX,
+                 SCATTER_CONSTRAINTS)
     part = PART + pid * PART_SIZE
     tl.store(part + PART_MAX, tl.reshape(chunk_max, []))
     tl.store(part + PART_BOUND, tl.reshape(bound, []))
@@ -855,6 +854,8 @@ class SplitRows:
         self.tile = dict(CHUNK=self.chunk, GROUP=group_size(self.chunk, x.element_size(),
                                                             self.num_warps, group),
                          INDEX=INDEX_TYPE[y.element_size()], WIDE=wide, num_warps=self.num_warps)
+        self.scatter = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
+                                scatter_ptx(y.element_size())))
         self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
         tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
@@ -870,7 +871,7 @@ class SplitRows:
         """Pass 1: PART (per chunk: max, bound, candidates), and the candidates stored in y."""
         sparsemax_split_bounds_kernel[self.grid](
             self.x, self.y, self.part, self.n_splits, self.n_rows, self.n, self.inner,
-            *self.strides, **self.tile, SCATTER_ASM=scatter_asm())
+            *self.strides, **self.tile, **self.scatter)
 
     def threshold(self) -> torch.Tensor:
         """Pass 2: STATE [rows, STATE_SIZE], each row's max and exact (pivot, step)."""
