@@ -86,10 +86,12 @@ def test_forward_fp64():
     [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"block_m": 4},
      {"num_warps": 1}, {"num_warps": 2}, {"chunk": 256}, {"chunk": 128, "group": 1},
      {"chunk": 128, "sparse_write": 1}, {"chunk": 128, "threshold_tile": 16},
-     {"chunk": 64, "threshold_tile": 4}, {"programs_per_sm": 1}],
+     {"chunk": 64, "threshold_tile": 4}, {"programs_per_sm": 1},
+     {"chunk": 128, "programs_per_sm": 1}],
     ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
          "two-warps", "split", "split-no-groups", "split-rereading-chunks",
-         "split-row-tile-per-chunk", "split-row-tile-across-chunks", "prefetching"],
+         "split-row-tile-per-chunk", "split-row-tile-across-chunks", "prefetching",
+         "split-prefetching"],
 )
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 def test_every_launch_path_is_exact(config, dist):
@@ -117,6 +119,7 @@ def test_chunks_too_full_to_store_candidates(dtype):
     assert_close_to_oracle(y.cpu().double(), x.cpu().double(), -1,
                            rtol=1e-6 if dtype != torch.bfloat16 else 1e-2)
     assert torch.equal(y, forward(x, chunk=128, sparse_write=1))
+    assert torch.equal(y, forward(x, chunk=128, programs_per_sm=1))
 
 
 @pytest.mark.parametrize("block_m", [1, 4])
@@ -194,8 +197,10 @@ def test_strided_views(config):
 
 
 @pytest.mark.parametrize("config", [{}, {"programs_per_sm": 1}, {"chunk": 16},
-                                    {"chunk": 16, "sparse_write": 1}],
-                         ids=["in-registers", "prefetching", "split", "split-rereading"])
+                                    {"chunk": 16, "sparse_write": 1},
+                                    {"chunk": 16, "programs_per_sm": 1}],
+                         ids=["in-registers", "prefetching", "split", "split-rereading",
+                              "split-prefetching"])
 def test_bad_rows_are_nan_and_leave_others_alone(config):
     x = make("randn", 6, 40, seed=7)
     x[0, 3] = torch.nan
@@ -295,11 +300,13 @@ def test_cuda_graph_capture():
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype, index", [("fp32", "int32"), ("bf16", "int16"), ("fp64", "int64")])
-def test_scatter_assembly_builds_for_sm90(dtype, index):
+@pytest.mark.parametrize("dtype, index, prefetch", [("fp32", "int32", 0), ("bf16", "int16", 0),
+                                                    ("fp64", "int64", 0), ("fp32", "int32", 1)])
+def test_scatter_assembly_builds_for_sm90(dtype, index, prefetch):
     """Split pass 1's candidate stores are inline PTX on the GPU only (the interpreter runs
-    tl.store): build that kernel for an H200 here, through ptxas, for each output width, so
-    that a fault in the assembly shows on a machine without a GPU."""
+    tl.store): build that kernel for an H200 here, through ptxas, for each output width (and
+    once walking chunks with prefetch), so that a fault in the assembly shows on a machine
+    without a GPU."""
     import subprocess
     import sys
     from pathlib import Path
@@ -316,7 +323,7 @@ def test_scatter_assembly_builds_for_sm90(dtype, index):
         [sys.executable, str(root / "benchmarks" / "inspect_kernel.py"),
          "sparsemax_split_bounds_kernel", "--dtype", dtype, "--warps", "4", "--const",
          f"CHUNK={chunk}", "GROUP=8", f"INDEX={index}", "WIDE=0", f"SCATTER_PTX={ptx}",
-         f"SCATTER_CONSTRAINTS={constraints}"],
+         f"SCATTER_CONSTRAINTS={constraints}", f"PREFETCH={prefetch}"],
         capture_output=True, text=True, env=env, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "registers" in built.stdout, built.stdout

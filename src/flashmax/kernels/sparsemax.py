@@ -423,22 +423,17 @@ def _scatter(pointers, bits, keep, PTX: tl.constexpr, CONSTRAINTS: tl.constexpr)
 
 
 @triton.jit
-def sparsemax_split_bounds_kernel(
-    X, Y, PART, n_splits, n_rows, n, inner,
-    x_stride_outer, x_stride_inner, x_stride_n,
-    y_stride_outer, y_stride_inner, y_stride_n,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
-    SCATTER_PTX: tl.constexpr, SCATTER_CONSTRAINTS: tl.constexpr,
-):
-    """Split pass 1, one chunk per program: the chunk's max, the exact tau of its group maxima
-    (a lower bound on the row's tau relative to that max), and its candidates: the entries
-    above that bound, a superset of the chunk's part of the row's support. When they fill at
-    most half the chunk, they are stored in the output's chunk (values, then their indices as
-    INDEX bits), so that later passes need not read the chunk again."""
-    pid = tl.program_id(0)
-    row, off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
-                                  x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)
-    x_in = tl.load(X + off, mask=mask, other=-float("inf"))
+def _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner,
+                  y_stride_outer, y_stride_inner, y_stride_n,
+                  CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr,
+                  WIDE: tl.constexpr, SCATTER_PTX: tl.constexpr,
+                  SCATTER_CONSTRAINTS: tl.constexpr):
+    """Split pass 1's work on chunk pid, loaded as x_in: the chunk's max, the exact tau of its
+    group maxima (a lower bound on the row's tau relative to that max), and its candidates: the
+    entries above that bound, a superset of the chunk's part of the row's support. When they
+    fill at most half the chunk, they are stored in the output's chunk (values, then their
+    indices as INDEX bits), so that later passes need not read the chunk again."""
+    row = pid // n_splits
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
     group_max = _group_max(x)
     chunk_max = _row_max(group_max)
@@ -468,6 +463,39 @@ def sparsemax_split_bounds_kernel(
     tl.store(part + PART_MAX, tl.reshape(chunk_max, []))
     tl.store(part + PART_BOUND, tl.reshape(bound, []))
     tl.store(part + PART_COUNT, count.to(chunk_max.dtype))
+
+
+@triton.jit
+def sparsemax_split_bounds_kernel(
+    X, Y, PART, n_splits, n_rows, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
+    SCATTER_PTX: tl.constexpr, SCATTER_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Split pass 1 (`_chunk_bounds`), one chunk per program; with PREFETCH program p does
+    chunks p, p + programs, ... and loads the next one before working on this one, as
+    `_map_rows` does with rows."""
+    pid = tl.program_id(0)
+    off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                             x_stride_n, CHUNK, GROUP, WIDE)[1:]
+    x_in = tl.load(X + off, mask=mask, other=-float("inf"))
+    if PREFETCH:
+        programs = tl.num_programs(0)
+        for following in tl.range(pid + programs, n_rows * n_splits + programs, programs,
+                                   num_stages=1):
+            # Past the last chunk the rows are masked: nothing is read.
+            off, mask = _split_chunk(following, n_splits, n_rows, n, inner, x_stride_outer,
+                                     x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)[1:]
+            x_next = tl.load(X + off, mask=mask, other=-float("inf"))
+            _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner, y_stride_outer,
+                          y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
+                          SCATTER_CONSTRAINTS)
+            x_in = x_next
+            pid = following
+    else:
+        _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner, y_stride_outer, y_stride_inner,
+                      y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX, SCATTER_CONSTRAINTS)
 
 
 @triton.jit
@@ -839,10 +867,12 @@ class SplitRows:
     """The three split passes over rows of x into y, with their launch choices made once:
     `sparsemax_forward`'s long rows, and a rank's slice in `flashmax.kernels.distributed`
     (which runs Newton across ranks, one `sums` per step, in place of `threshold`).
-    The keyword arguments override the launch heuristics (benchmarks, tests)."""
+    The keyword arguments override the launch heuristics (benchmarks, tests); with
+    `programs_per_sm`, pass 1 runs that many programs per multiprocessor, each walking chunks
+    and prefetching the next (default: one program per chunk)."""
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
-                 num_warps=None, sparse_write=None, threshold_tile=None):
+                 num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -854,8 +884,13 @@ class SplitRows:
         self.tile = dict(CHUNK=self.chunk, GROUP=group_size(self.chunk, x.element_size(),
                                                             self.num_warps, group),
                          INDEX=INDEX_TYPE[y.element_size()], WIDE=wide, num_warps=self.num_warps)
-        self.scatter = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
-                                scatter_ptx(y.element_size())))
+        chunks = self.grid[0]
+        programs = chunks
+        if programs_per_sm:
+            programs = min(chunks, programs_per_sm * _multiprocessors(x.device))
+        self.bounds_grid = (programs,)
+        self.bounds_options = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
+                                       scatter_ptx(y.element_size())), PREFETCH=programs < chunks)
         self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
         tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
@@ -869,9 +904,9 @@ class SplitRows:
 
     def bounds(self):
         """Pass 1: PART (per chunk: max, bound, candidates), and the candidates stored in y."""
-        sparsemax_split_bounds_kernel[self.grid](
+        sparsemax_split_bounds_kernel[self.bounds_grid](
             self.x, self.y, self.part, self.n_splits, self.n_rows, self.n, self.inner,
-            *self.strides, **self.tile, **self.scatter)
+            *self.strides, **self.tile, **self.bounds_options)
 
     def threshold(self) -> torch.Tensor:
         """Pass 2: STATE [rows, STATE_SIZE], each row's max and exact (pivot, step)."""
@@ -972,8 +1007,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     row's tau from them, the outputs.
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile.
-    `programs_per_sm` as in `rows_launch`. The other keyword arguments override the launch
-    heuristics (benchmarks, tests).
+    `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`). The other
+    keyword arguments override the launch heuristics (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
@@ -987,7 +1022,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
         split = SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
-                          num_warps, sparse_write, threshold_tile)
+                          num_warps, sparse_write, threshold_tile, programs_per_sm)
         split.bounds()
         split.write(split.threshold())
         return y
