@@ -281,7 +281,8 @@ def main():
         extra = (f" forward op {r['forward_op_us']:.1f} launch {r['forward_launch_us']:.1f}"
                  if "forward_op_us" in r else "")
         for k in r.get("kernels", []):
-            extra += (f" [{k.get('kernel', '')[:-len('_kernel')]} {k['regs']}r {k['spills']}sp {k['shared'] // 1024}K"
+            name = k["kernel"].removesuffix("_kernel")
+            extra += (f" [{name} {k['regs']}r {k['spills']}sp {k['shared'] // 1024}K"
                       f"{' cp.async' if k['pipelined'] else ''}]")
         shape = f"{r['rows']}x{r['n']}"
         print(f"{r['mode']:8} {r['variant']:11} {shape:>12} {r['dtype']:8} {r['dist']:9} "

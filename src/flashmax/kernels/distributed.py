@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchCache, tensor_key
+from .launch import LaunchCache
 from .sparsemax import (PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP,
                         SplitBackward, SplitRows, _rows, _wide)
 
@@ -144,13 +144,11 @@ class TritonShard:
         ladder, n_rows = points.shape
         centre = torch.empty_like(pivot)
         following = torch.empty_like(points)
-        tensors = (everyone, points, pivot, step, done, hi, centre, following)
-        scalars = (n_rows, everyone.shape[0])
-        key = (tensor_key(*tensors), scalars)
-        if not STEP_LAUNCHES.replay(key, *tensors):
-            # No fused multiply-adds: the same roundings as the torch ops it replaces.
-            STEP_LAUNCHES.launch(key, (triton.cdiv(n_rows, STEP_ROWS),), tensors, scalars,
-                                 dict(LADDER=ladder, BLOCK=STEP_ROWS, enable_fp_fusion=False))
+        # No fused multiply-adds: the same roundings as the torch ops it replaces.
+        STEP_LAUNCHES.run((triton.cdiv(n_rows, STEP_ROWS),),
+                          (everyone, points, pivot, step, done, hi, centre, following),
+                          (n_rows, everyone.shape[0]),
+                          dict(LADDER=ladder, BLOCK=STEP_ROWS, enable_fp_fusion=False))
         return pivot, step, done, hi, centre, following
 
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor):

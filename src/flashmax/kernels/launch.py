@@ -44,6 +44,13 @@ class LaunchCache:
         grid3 = (*grid, 1, 1)[:3]
         self.plans[key] = (compiled[grid3], (*scalars, *constexprs))
 
+    def run(self, grid, tensors, scalars, options) -> None:
+        """kernel[grid](*tensors, *scalars, **options), replaying the plan kept for the same
+        tensors' layout and scalars (a launch repeated within a call, as a Newton step is)."""
+        key = (tensor_key(*tensors), scalars)
+        if not self.replay(key, *tensors):
+            self.launch(key, grid, tensors, scalars, options)
+
     def replay(self, key, *tensors) -> bool:
         """Launch the plan kept under key on these tensors; False if there is none."""
         plan = self.plans.get(key)

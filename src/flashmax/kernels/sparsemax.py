@@ -885,9 +885,7 @@ class SplitRows:
                                                             self.num_warps, group),
                          INDEX=INDEX_TYPE[y.element_size()], WIDE=wide, num_warps=self.num_warps)
         chunks = self.grid[0]
-        programs = chunks
-        if programs_per_sm:
-            programs = min(chunks, programs_per_sm * _multiprocessors(x.device))
+        programs = walking_programs(chunks, programs_per_sm, x.device)
         self.bounds_grid = (programs,)
         self.bounds_options = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
                                        scatter_ptx(y.element_size())), PREFETCH=programs < chunks)
@@ -925,11 +923,10 @@ class SplitRows:
         points = _next_power_of_2(n_points)
         launch = dict(self.row_pass, POINTS=points, WIDTH=self._width(self.row_pass["SPLITS"],
                                                                        points))
-        tensors = (self.x, self.y, self.part, row_max, taus.contiguous(), centre, stats)
-        scalars = (self.n_splits, self.n_rows, self.n, self.inner, n_points, *self.strides)
-        key = (tensor_key(*tensors), scalars)
-        if not SUMS_LAUNCHES.replay(key, *tensors):
-            SUMS_LAUNCHES.launch(key, (self.n_rows,), tensors, scalars, launch)
+        SUMS_LAUNCHES.run((self.n_rows,),
+                          (self.x, self.y, self.part, row_max, taus.contiguous(), centre, stats),
+                          (self.n_splits, self.n_rows, self.n, self.inner, n_points,
+                           *self.strides), launch)
         return stats
 
     def write(self, state: torch.Tensor):
@@ -951,6 +948,14 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def walking_programs(blocks: int, programs_per_sm, device: torch.device) -> int:
+    """Programs of a launch over `blocks`: one each, or with programs_per_sm that many per
+    multiprocessor (one multiprocessor off CUDA), each walking several blocks."""
+    if not programs_per_sm:
+        return blocks
+    return min(blocks, programs_per_sm * _multiprocessors(device))
+
+
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
                 newton=False, prefetch_rows=PREFETCH_ROWS):
     """(programs, BLOCK_M, BLOCK_N, num_warps, PREFETCH) of a `_map_rows` kernel over rows of x.
@@ -967,9 +972,7 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
             programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps)
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton)
     blocks = -(-n_rows // block_m)
-    programs = blocks
-    if programs_per_sm:
-        programs = min(blocks, programs_per_sm * _multiprocessors(x.device))
+    programs = walking_programs(blocks, programs_per_sm, x.device)
     return programs, block_m, block_n, num_warps, programs < blocks
 
 
