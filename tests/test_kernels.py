@@ -87,11 +87,12 @@ def test_forward_fp64():
      {"num_warps": 1}, {"num_warps": 2}, {"chunk": 256}, {"chunk": 128, "group": 1},
      {"chunk": 128, "sparse_write": 1}, {"chunk": 128, "threshold_tile": 16},
      {"chunk": 64, "threshold_tile": 4}, {"programs_per_sm": 1},
-     {"chunk": 128, "programs_per_sm": 1}],
+     {"chunk": 128, "programs_per_sm": 0}, {"chunk": 256, "bound_groups": 0},
+     {"chunk": 256, "bound_groups": 2}],
     ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
          "two-warps", "split", "split-no-groups", "split-rereading-chunks",
          "split-row-tile-per-chunk", "split-row-tile-across-chunks", "prefetching",
-         "split-prefetching"],
+         "split-chunk-a-program", "split-exact-bounds", "split-bounds-stopped-early"],
 )
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 def test_every_launch_path_is_exact(config, dist):
@@ -119,7 +120,10 @@ def test_chunks_too_full_to_store_candidates(dtype):
     assert_close_to_oracle(y.cpu().double(), x.cpu().double(), -1,
                            rtol=1e-6 if dtype != torch.bfloat16 else 1e-2)
     assert torch.equal(y, forward(x, chunk=128, sparse_write=1))
-    assert torch.equal(y, forward(x, chunk=128, programs_per_sm=1))
+    assert torch.equal(y, forward(x, chunk=128, programs_per_sm=0))
+    # Exact chunk bounds: fewer candidates, the same support.
+    assert_close_to_oracle(forward(x, chunk=128, bound_groups=0).cpu().double(),
+                           x.cpu().double(), -1, rtol=1e-6 if dtype != torch.bfloat16 else 1e-2)
 
 
 @pytest.mark.parametrize("block_m", [1, 4])
@@ -198,9 +202,9 @@ def test_strided_views(config):
 
 @pytest.mark.parametrize("config", [{}, {"programs_per_sm": 1}, {"chunk": 16},
                                     {"chunk": 16, "sparse_write": 1},
-                                    {"chunk": 16, "programs_per_sm": 1}],
+                                    {"chunk": 16, "programs_per_sm": 0}],
                          ids=["in-registers", "prefetching", "split", "split-rereading",
-                              "split-prefetching"])
+                              "split-chunk-a-program"])
 def test_bad_rows_are_nan_and_leave_others_alone(config):
     x = make("randn", 6, 40, seed=7)
     x[0, 3] = torch.nan
@@ -323,7 +327,8 @@ def test_scatter_assembly_builds_for_sm90(dtype, index, prefetch):
         [sys.executable, str(root / "benchmarks" / "inspect_kernel.py"),
          "sparsemax_split_bounds_kernel", "--dtype", dtype, "--warps", "4", "--const",
          f"CHUNK={chunk}", "GROUP=8", f"INDEX={index}", "WIDE=0", f"SCATTER_PTX={ptx}",
-         f"SCATTER_CONSTRAINTS={constraints}", f"PREFETCH={prefetch}"],
+         f"SCATTER_CONSTRAINTS={constraints}", f"PREFETCH={prefetch}",
+         f"BOUND_GROUPS={kernels.SPLIT_BOUND_GROUPS[True]}"],
         capture_output=True, text=True, env=env, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "registers" in built.stdout, built.stdout

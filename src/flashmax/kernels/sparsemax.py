@@ -73,6 +73,16 @@ SPLIT_MANY_ROWS = 16
 # (benchmarks/NOTES.md, v11): 8192 over 4 warps beat 32768 over 8 (235 registers, one program
 # per SM) by 7-13% from 8 x 1048576 to 512 x 131072.
 SPLIT_BACKWARD_LAUNCH = (8192, 4)
+# Pass 1 stops refining a chunk's bound once at most this many of its group maxima lie above
+# it (0: the exact tau of the group maxima); the row pass finishes from its candidates, so
+# rows too few to spread the row pass over the GPU take tighter bounds. Measured on an H200
+# (benchmarks/NOTES.md, v19): on randn, 32 beat exact bounds by 7% (512 x 131072, 32 x 1048576,
+# 8 x 1048576) but lost 10% on 1 x 4194304, where 8 won 1%.
+SPLIT_BOUND_GROUPS = {False: 8, True: 32}  # by n_rows >= SPLIT_BOUND_ROWS
+SPLIT_BOUND_ROWS = 8
+# Programs per SM of split pass 1, each walking chunks and loading the next before working on
+# this one (NOTES v19: 1-4% faster than a program per chunk at every long-row shape measured).
+SPLIT_PROGRAMS_PER_SM = 2
 # A chunk with at most this many candidates writes its outputs without reading its input again.
 SPARSE_WRITE = 1024
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk).
@@ -132,10 +142,15 @@ def _newton_update(total, count, smallest, pivot, step, centre, done):
 
 
 @triton.jit
-def _newton_threshold(z, tau):
+def _newton_threshold(z, tau, FEW: tl.constexpr = 0):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
     allowed) from lower bounds tau [BLOCK_M], and the smallest z - pivot of the last step's
-    support (so the smallest positive output is that minus step)."""
+    support (so the smallest positive output is that minus step).
+
+    With FEW > 0 a row stops as soon as at most FEW entries lie above its pivot + step: every
+    Newton iterate from below is a lower bound on the threshold, and one that leaves few
+    entries above it bounds them as well as the exact one would need to.
+    """
     pivot = tau
     step = tl.zeros_like(tau)
     centre = tl.zeros_like(tau)
@@ -147,6 +162,8 @@ def _newton_threshold(z, tau):
         smallest = tl.where(done, smallest, step_smallest)
         pivot, step, centre, done = _newton_update(total, count, step_smallest, pivot, step,
                                                    centre, done)
+        if FEW > 0:
+            done = done | (count <= FEW)
         pending = tl.sum((~done).to(tl.int32), axis=0)
     return pivot, step, smallest
 
@@ -427,10 +444,12 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner,
                   y_stride_outer, y_stride_inner, y_stride_n,
                   CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr,
                   WIDE: tl.constexpr, SCATTER_PTX: tl.constexpr,
-                  SCATTER_CONSTRAINTS: tl.constexpr):
-    """Split pass 1's work on chunk pid, loaded as x_in: the chunk's max, the exact tau of its
-    group maxima (a lower bound on the row's tau relative to that max), and its candidates: the
-    entries above that bound, a superset of the chunk's part of the row's support. When they
+                  SCATTER_CONSTRAINTS: tl.constexpr, BOUND_GROUPS: tl.constexpr):
+    """Split pass 1's work on chunk pid, loaded as x_in: the chunk's max, a lower bound on the
+    row's tau relative to that max (a Newton iterate for the tau of the chunk's group maxima,
+    stopped once at most BOUND_GROUPS of them lie above it, or exact with 0), and its
+    candidates: the entries above that bound, a superset of the chunk's part of the row's
+    support (at most GROUP x BOUND_GROUPS of them when stopped early). When they
     fill at most half the chunk, they are stored in the output's chunk (values, then their
     indices as INDEX bits), so that later passes need not read the chunk again."""
     row = pid // n_splits
@@ -438,7 +457,7 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner,
     group_max = _group_max(x)
     chunk_max = _row_max(group_max)
     pivot, step, _ = _newton_threshold(tl.expand_dims(group_max - chunk_max[:, None], 1),
-                                       tl.full([1], -1.0, x.dtype))
+                                       tl.full([1], -1.0, x.dtype), BOUND_GROUPS)
     bound = pivot + step
     # A margin of a few ulps: the later passes compare in the row's coordinates, rounded
     # differently, and must never find a support entry that is not a candidate.
@@ -472,6 +491,7 @@ def sparsemax_split_bounds_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
     SCATTER_PTX: tl.constexpr, SCATTER_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr,
+    BOUND_GROUPS: tl.constexpr,
 ):
     """Split pass 1 (`_chunk_bounds`), one chunk per program; with PREFETCH program p does
     chunks p, p + programs, ... and loads the next one before working on this one, as
@@ -490,12 +510,13 @@ def sparsemax_split_bounds_kernel(
             x_next = tl.load(X + off, mask=mask, other=-float("inf"))
             _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner, y_stride_outer,
                           y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
-                          SCATTER_CONSTRAINTS)
+                          SCATTER_CONSTRAINTS, BOUND_GROUPS)
             x_in = x_next
             pid = following
     else:
         _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner, y_stride_outer, y_stride_inner,
-                      y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX, SCATTER_CONSTRAINTS)
+                      y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX, SCATTER_CONSTRAINTS,
+                      BOUND_GROUPS)
 
 
 @triton.jit
@@ -868,11 +889,13 @@ class SplitRows:
     `sparsemax_forward`'s long rows, and a rank's slice in `flashmax.kernels.distributed`
     (which runs Newton across ranks, one `sums` per step, in place of `threshold`).
     The keyword arguments override the launch heuristics (benchmarks, tests); with
-    `programs_per_sm`, pass 1 runs that many programs per multiprocessor, each walking chunks
-    and prefetching the next (default: one program per chunk)."""
+    `programs_per_sm` (default SPLIT_PROGRAMS_PER_SM; 0: one program per chunk), pass 1 runs
+    that many programs per multiprocessor, each walking chunks and prefetching the next;
+    `bound_groups` overrides SPLIT_BOUND_GROUPS."""
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
-                 num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None):
+                 num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None,
+                 bound_groups=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -885,10 +908,13 @@ class SplitRows:
                                                             self.num_warps, group),
                          INDEX=INDEX_TYPE[y.element_size()], WIDE=wide, num_warps=self.num_warps)
         chunks = self.grid[0]
-        programs = walking_programs(chunks, programs_per_sm, x.device)
+        programs = walking_programs(
+            chunks, SPLIT_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm, x.device)
         self.bounds_grid = (programs,)
         self.bounds_options = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
-                                       scatter_ptx(y.element_size())), PREFETCH=programs < chunks)
+                                       scatter_ptx(y.element_size())), PREFETCH=programs < chunks,
+                                   BOUND_GROUPS=SPLIT_BOUND_GROUPS[n_rows >= SPLIT_BOUND_ROWS]
+                                   if bound_groups is None else bound_groups)
         self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
         tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
@@ -1001,7 +1027,7 @@ def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
-                      programs_per_sm=None) -> torch.Tensor:
+                      programs_per_sm=None, bound_groups=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -1010,12 +1036,13 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     row's tau from them, the outputs.
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile.
-    `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`). The other
+    `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
+    `bound_groups` (`SplitRows`). The other
     keyword arguments override the launch heuristics (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
-                and programs_per_sm is None)
+                and programs_per_sm is None and bound_groups is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -1025,7 +1052,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
         split = SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
-                          num_warps, sparse_write, threshold_tile, programs_per_sm)
+                          num_warps, sparse_write, threshold_tile, programs_per_sm, bound_groups)
         split.bounds()
         split.write(split.threshold())
         return y
