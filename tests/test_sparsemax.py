@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 import flashmax
 from flashmax import Sparsemax, sparsemax
 from flashmax import reference
-from oracle import ROWS_AT_TAU, assert_close_to_oracle, oracle, relative_error, support_gradient
+from oracle import (ROW_JUST_ABOVE_TAU, ROWS_AT_TAU, assert_close_to_oracle, oracle, relative_error,
+                    support_gradient)
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -533,7 +534,13 @@ def test_entries_at_tau_are_outside_the_support(dtype):
     assert torch.allclose(dx.double(), want, rtol=0, atol=atol)
 
 
-def test_backward_with_broadcast_grad():
+@pytest.mark.xfail(strict=True, reason="known defect: v16's tie tolerance (4 ulps of tau) zeroes "
+                   "a true output of 2^-24, so the backward leaves it out (NOTES v21)")
+def test_an_entry_just_above_tau_stays_in_the_support():
+    x = torch.tensor([ROW_JUST_ABOVE_TAU], dtype=torch.float64).float()
+    y = sparsemax(x)
+    assert y[0, 6].item() == 2.0**-24, y
+
     """y.sum().backward() hands in an expanded (stride 0) gradient: dx must be exactly 0."""
     x = torch.randn(5, 8, requires_grad=True)
     sparsemax(x, 1).sum().backward()
