@@ -534,12 +534,15 @@ def test_entries_at_tau_are_outside_the_support(dtype):
     assert torch.allclose(dx.double(), want, rtol=0, atol=atol)
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: v16's tie tolerance (4 ulps of tau) zeroes "
-                   "a true output of 2^-24, so the backward leaves it out (NOTES v21)")
 def test_an_entry_just_above_tau_stays_in_the_support():
-    x = torch.tensor([ROW_JUST_ABOVE_TAU], dtype=torch.float64).float()
+    # Its exact output, 2^-24, lies within the fp32 tie rule of tau: the row is computed again
+    # in fp64, where a tie and an output that small come apart (NOTES v22).
+    x = torch.tensor([ROW_JUST_ABOVE_TAU], requires_grad=True)
     y = sparsemax(x)
     assert y[0, 6].item() == 2.0**-24, y
+    g = make_input((1, 8), -1, torch.float32, seed=97)
+    (dx,) = torch.autograd.grad(y, x, g)
+    assert torch.allclose(dx.double(), support_gradient(x.detach(), g), rtol=0, atol=1e-6)
 
     """y.sum().backward() hands in an expanded (stride 0) gradient: dx must be exactly 0."""
     x = torch.randn(5, 8, requires_grad=True)

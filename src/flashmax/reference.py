@@ -97,14 +97,36 @@ def threshold(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # such an entry a few 1e-9 above 0 in fp32: inside the support the backward takes from y > 0,
 # which then differs from exact arithmetic's by that entry (NOTES, "bf16 ties with tau").
 ZERO_BELOW = {torch.float32: 2.0**-22, torch.float64: 2.0**-51}
+# An fp32 row with an output within that of tau is computed again in fp64, from z exact in fp64,
+# where a tie is ~2^-50 of tau from 0 and a true output as small as fp32 holds is far above this
+# (NOTES v22: fp32's rule alone zeroed an exact output of 2^-24).
+EXACT_ZERO_BELOW = 2.0**-44
 
 
-def sparsemax_outputs(z: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+def sparsemax_outputs(z: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor,
+                      zero_below: float | None = None) -> torch.Tensor:
     """max(z - tau, 0) over the last dim, tau = pivot + step per row, with outputs within
-    rounding of tau (ZERO_BELOW) set to 0; in place on z."""
-    tol = (pivot + step).abs().mul_(ZERO_BELOW[z.dtype]).unsqueeze(-1)
+    rounding of tau (|tau| * zero_below, default ZERO_BELOW) set to 0; in place on z."""
+    zero_below = ZERO_BELOW[z.dtype] if zero_below is None else zero_below
+    tol = (pivot + step).abs().mul_(zero_below).unsqueeze(-1)
     y = z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1))
     return y.masked_fill_(y <= tol, 0)
+
+
+def tied_rows(z: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Rows with an output z - tau within ZERO_BELOW of tau but above 0: a tie with tau, or a
+    true output too small for the rule to tell from one."""
+    tol = (pivot + step).abs().mul_(ZERO_BELOW[z.dtype]).unsqueeze(-1)
+    y = (z - pivot.unsqueeze(-1)) - step.unsqueeze(-1)
+    return ((y > 0) & (y <= tol)).any(-1)
+
+
+def exact_outputs(rows: torch.Tensor) -> torch.Tensor:
+    """Sparsemax of fp32 rows (no bad rows) computed in fp64, ties with tau zeroed at
+    EXACT_ZERO_BELOW: x - max is exact in fp64, so ties and tiny outputs come apart."""
+    x = rows.double()
+    z = x - x.amax(-1, keepdim=True)
+    return sparsemax_outputs(z, *threshold(z), EXACT_ZERO_BELOW).to(rows.dtype)
 
 
 def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +144,11 @@ def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
     z = rows - row_max
     if any_bad:
         z.masked_fill_(bad, -torch.inf)
-    y = sparsemax_outputs(z, *threshold(z))
+    pivot, step = threshold(z)
+    tied = tied_rows(z, pivot, step) if z.dtype == torch.float32 else None
+    y = sparsemax_outputs(z, pivot, step)
+    if tied is not None and bool(tied.any()):
+        y[tied] = exact_outputs(rows[tied])
     if any_bad:
         y.masked_fill_(bad, torch.nan)
     return y.view(x.shape)
