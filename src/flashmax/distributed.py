@@ -219,7 +219,7 @@ class TorchShard(SliceRows):
 
     @staticmethod
     def _outputs(z, pivot, step):
-        return reference.sparsemax_outputs(z, pivot, step)
+        return reference.sparsemax_outputs(z, pivot, step)[0]
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """[points, 3, rows] float64: sum, count and smallest of d = z - tau over d > 0, for

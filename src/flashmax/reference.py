@@ -104,21 +104,17 @@ EXACT_ZERO_BELOW = 2.0**-44
 
 
 def sparsemax_outputs(z: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor,
-                      zero_below: float | None = None) -> torch.Tensor:
+                      zero_below: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """max(z - tau, 0) over the last dim, tau = pivot + step per row, with outputs within
-    rounding of tau (|tau| * zero_below, default ZERO_BELOW) set to 0; in place on z."""
+    rounding of tau (|tau| * zero_below, default ZERO_BELOW) set to 0, in place on z; and the
+    rows where that zeroed an output above 0 (a tie with tau, or a true output too small for
+    the rule to tell from one)."""
     zero_below = ZERO_BELOW[z.dtype] if zero_below is None else zero_below
     tol = (pivot + step).abs().mul_(zero_below).unsqueeze(-1)
     y = z.sub_(pivot.unsqueeze(-1)).sub_(step.unsqueeze(-1))
-    return y.masked_fill_(y <= tol, 0)
-
-
-def tied_rows(z: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """Rows with an output z - tau within ZERO_BELOW of tau but above 0: a tie with tau, or a
-    true output too small for the rule to tell from one."""
-    tol = (pivot + step).abs().mul_(ZERO_BELOW[z.dtype]).unsqueeze(-1)
-    y = (z - pivot.unsqueeze(-1)) - step.unsqueeze(-1)
-    return ((y > 0) & (y <= tol)).any(-1)
+    zeroed = y <= tol
+    tiny = (zeroed & (y > 0)).any(-1)
+    return y.masked_fill_(zeroed, 0), tiny
 
 
 def exact_outputs(rows: torch.Tensor) -> torch.Tensor:
@@ -126,7 +122,7 @@ def exact_outputs(rows: torch.Tensor) -> torch.Tensor:
     EXACT_ZERO_BELOW: x - max is exact in fp64, so ties and tiny outputs come apart."""
     x = rows.double()
     z = x - x.amax(-1, keepdim=True)
-    return sparsemax_outputs(z, *threshold(z), EXACT_ZERO_BELOW).to(rows.dtype)
+    return sparsemax_outputs(z, *threshold(z), EXACT_ZERO_BELOW)[0].to(rows.dtype)
 
 
 def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
@@ -144,11 +140,9 @@ def sparsemax_forward(x: torch.Tensor) -> torch.Tensor:
     z = rows - row_max
     if any_bad:
         z.masked_fill_(bad, -torch.inf)
-    pivot, step = threshold(z)
-    tied = tied_rows(z, pivot, step) if z.dtype == torch.float32 else None
-    y = sparsemax_outputs(z, pivot, step)
-    if tied is not None and bool(tied.any()):
-        y[tied] = exact_outputs(rows[tied])
+    y, tiny = sparsemax_outputs(z, *threshold(z))
+    if z.dtype == torch.float32 and bool(tiny.any()):
+        y[tiny] = exact_outputs(rows[tiny])
     if any_bad:
         y.masked_fill_(bad, torch.nan)
     return y.view(x.shape)
