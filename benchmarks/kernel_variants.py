@@ -116,7 +116,8 @@ def load_module(path):
     import importlib.util
 
     # Named inside flashmax.kernels, so that its relative imports resolve.
-    spec = importlib.util.spec_from_file_location("flashmax.kernels.baseline", path)
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"flashmax.kernels.{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -189,8 +190,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--end-to-end-only", action="store_true",
                         help="only the eager forward + backward against torch.softmax")
-    parser.add_argument("--baseline", metavar="FILE",
-                        help="an earlier kernels module to time as variant 'baseline'")
+    parser.add_argument("--baseline", metavar="FILE", nargs="+", default=[],
+                        help="other kernels modules (an earlier version, a branch's) to time "
+                             "in the same run, each as a variant named by its file's stem")
     parser.add_argument("--variants-on-shapes", action="store_true",
                         help="time every variant on --shapes, not the default kernel only")
     parser.add_argument("--variants", metavar="JSON",
@@ -209,7 +211,8 @@ def main():
         shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     if args.end_to_end_only:
         shapes = []
-    baseline = load_module(args.baseline) if args.baseline else None
+    baselines = {os.path.splitext(os.path.basename(path))[0]: load_module(path)
+                 for path in args.baseline}
     module, forward_name, backward_name, oracle = OPS[args.op]
     records = []
     for rows, n in shapes:
@@ -223,8 +226,8 @@ def main():
                     variants = {"default": {}}
                 launchers = {name: forward_launcher(module, config, rows, n, forward_name)
                              for name, config in variants.items()}
-                if baseline is not None:
-                    launchers["baseline"] = forward_launcher(baseline, {}, rows, n, forward_name)
+                for name, other in baselines.items():
+                    launchers[name] = forward_launcher(other, {}, rows, n, forward_name)
                 for name, fwd in launchers.items():
                     if fwd is None:
                         continue
