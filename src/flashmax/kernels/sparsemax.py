@@ -44,7 +44,7 @@ ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer
 # The forward's rows shorter than this are spread over up to 4 warps: with one warp a thread
 # would carry the Newton state of 16-32 rows (255 registers, few programs per SM). Measured on an
 # H200 (benchmarks/NOTES.md, v8): faster below 256 entries, slower at 256.
-SHORT_ROW = 256
+SHORT_ROW = tl.constexpr(256)
 SHORT_ROW_ENTRIES_PER_THREAD = 16
 # Rows of PREFETCH_ROWS entries fit a program's registers twice at 64 entries a thread, so each
 # program can walk several blocks and load the next before searching this one's threshold;
@@ -62,6 +62,12 @@ PART_MAX, PART_BOUND, PART_COUNT = (tl.constexpr(i) for i in range(3))
 STATE_SIZE = tl.constexpr(3)
 STATE_MAX, STATE_PIVOT, STATE_STEP = (tl.constexpr(i) for i in range(3))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
+# A tiny fp32 row (`_tiny`) is computed again in fp64 (`_refine_rows`), from a lower bound this
+# far below its fp32 tau (which the rounding of x - max and of the fp32 Newton steps move by
+# about 2^-22), with outputs at most EXACT_ZERO_BELOW of |tau| ties (`reference.exact_outputs`).
+REFINE_MARGIN = tl.constexpr(2.0**-18)
+REFINE_STEPS = tl.constexpr(16)  # Newton's steps from there: 2-3 unless many entries lie between
+EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
 # Split rows are cut into chunks of (entries, warps) (fp64: half the entries): at most half the
 # registers of a whole row, as the first pass keeps its candidates' slots and offsets live too.
 # Measured on an H200 (benchmarks/NOTES.md, v10): from SPLIT_MANY_ROWS rows on, smaller
@@ -216,11 +222,11 @@ def _zero_below(tau):
 
 
 @triton.jit
-def _tied(pivot, step, smallest):
-    """Whether a row's smallest positive output (smallest - step, `_newton_threshold`) may be
+def _tiny(pivot, step, smallest):
+    """Whether a row's smallest positive output (smallest - step, `_newton_threshold`) is
     within rounding of tau: an entry tied with tau, as entries on a coarse grid (bf16) often
-    are. A negative final step may leave entries at the pivot just above 0 as well."""
-    return (smallest - step <= _zero_below(pivot + step)) | (step < 0)
+    are, or a true output that small, which fp32 cannot tell apart."""
+    return smallest - step <= _zero_below(pivot + step)
 
 
 @triton.jit
@@ -237,10 +243,16 @@ def _zero_at_tau(y, tau):
 
 
 @triton.jit
-def _sparsemax_tile(z, pivot, step, bad, tied, PREFETCHING: tl.constexpr):
-    """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tied`, outputs within
-    rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
-    exact arithmetic. Other tiles skip that test per entry.
+def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
+    """(max(z - tau, 0) with tau = pivot + step, whether any row is `tiny`). In a tile where a
+    row is tiny or its last step negative (which may leave entries at the pivot just above 0),
+    outputs within rounding of tau are 0 too, so that an entry tied with tau is outside the
+    support, as in exact arithmetic; other tiles skip that test per entry. (A tiny row's true
+    outputs that small are restored by `_refine_rows`.)
+
+    Short rows, many a tile, spread over the warps, take the test per row instead: whether any
+    row is tied would take a reduction across warps (3 barriers a tile at 8-64 entries, triton
+    3.6), a per-row bound one compare-and-select an entry in place of the maximum.
 
     Two shapes of the same code, measured on an H200 (NOTES, v16): without a prefetched tile,
     each branch makes its outputs from z (one tile live: no spills at 16384 and 32768 entries,
@@ -249,7 +261,14 @@ def _sparsemax_tile(z, pivot, step, bad, tied, PREFETCHING: tl.constexpr):
     """
     # A bad row's step is NaN: the NaN-propagating maximum, and `y <= tol` (false), keep it.
     step = tl.where(bad, float("nan"), step)
-    any_tied = tl.max(tied.to(tl.int32), axis=0) > 0
+    tied = tiny | (step < 0)
+    if z.shape[1] * z.shape[2] < SHORT_ROW:
+        tol = tl.where(tied, _zero_below(pivot + step), 0.0)
+        y = _above_tau(z, pivot, step)
+        return tl.where(y <= tol[:, None, None], 0.0, y), tl.max(tiny.to(tl.int32), axis=0) > 0
+    # One reduction says both: the worst row is 2 if tiny (a tiny row is tied), 1 if tied.
+    worst = tl.max(tied.to(tl.int32) + tiny.to(tl.int32), axis=0)
+    any_tied = worst > 0
     if PREFETCHING:
         y = _above_tau(z, pivot, step)
         out = tl.maximum(y, 0.0, propagate_nan=tl.PropagateNan.ALL)
@@ -260,7 +279,7 @@ def _sparsemax_tile(z, pivot, step, bad, tied, PREFETCHING: tl.constexpr):
             out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
         else:
             out = tl.maximum(_above_tau(z, pivot, step), 0.0, propagate_nan=tl.PropagateNan.ALL)
-    return out
+    return out, worst > 1
 
 
 @triton.jit
@@ -320,22 +339,104 @@ def _store_rows(Y, tile, block, n_rows, n, inner, stride_outer, stride_inner, st
 @triton.jit
 def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype, while the
-    program holds the next tile (PREFETCHING) or not."""
+    program holds the next tile (PREFETCHING) or not; with `_refine_rows`' arguments: whether
+    any row is to be computed again, each row's max, and its fp32 tau where it is (NaN where
+    not)."""
     group_max = _group_max(x)
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
-    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tied(pivot, step, smallest),
-                           PREFETCHING)
+    tiny = _tiny(pivot, step, smallest)
+    y, any_tiny = _sparsemax_tile(z, pivot, step, _is_bad(row_max), tiny, PREFETCHING)
+    if x.dtype == tl.float32:
+        return y, any_tiny, row_max, tl.where(tiny, pivot + step, float("nan"))
+    return y, False, row_max, row_max  # fp64 rows round their ties at 2^-51 of tau already
+
+
+@triton.jit
+def _refine_rows(X, Y, block, any_tiny, row_max, tau, n_rows, n, inner,
+                 x_stride_outer, x_stride_inner, x_stride_n,
+                 y_stride_outer, y_stride_inner, y_stride_n,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
+    """Rows of the block with a tau (not NaN), tiny fp32 rows whose outputs the program has
+    just stored, computed again in fp64 from X (`reference.exact_outputs`): fp32's rounding of
+    tau cannot tell an entry tied with tau from a true output of a few ulps of it. Rare (about
+    1 row in 10^3 of bf16 randn rows, far fewer of fp32's), so the rows are read again, a
+    slice at a time, rather than held: the registers stay those of the common path.
+
+    Newton in fp64 from REFINE_MARGIN below the fp32 tau, over z = x - max (exact in fp64),
+    until its support stops changing; then the outputs, ties zeroed at EXACT_ZERO_BELOW."""
+    if any_tiny:
+        # This program's stores of the rows land before they are written again.
+        tl.debug_barrier()
+        # 4-8 entries a thread, with the launch heuristics' 16 (short rows) to 64-128 entries
+        # of the tile: few registers beside a prefetched tile.
+        WIDTH: tl.constexpr = BLOCK_N // 16 if BLOCK_N >= SHORT_ROW else max(1, BLOCK_N // 2)
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        live = (tau == tau) & (rows < n_rows)
+        m = row_max.to(tl.float64)
+        t = tau.to(tl.float64) - REFINE_MARGIN
+        count = tl.zeros([BLOCK_M], tl.float64)
+        last = tl.full([BLOCK_M], -1.0, tl.float64)
+        for _ in range(REFINE_STEPS):
+            active = live & (count != last)
+            if tl.max(active.to(tl.int32), axis=0) > 0:
+                total = tl.zeros([BLOCK_M], tl.float64)
+                last = count
+                count = tl.zeros([BLOCK_M], tl.float64)
+                for start in range(0, n, WIDTH):
+                    off, mask = _row_offsets(block, start, n_rows, n, inner, x_stride_outer,
+                                             x_stride_inner, x_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+                    x = tl.load(X + off, mask=mask & active[:, None, None],
+                                other=-float("inf"))
+                    d = x.to(tl.float64) - m[:, None, None] - t[:, None, None]
+                    above = d > 0
+                    total += tl.sum(tl.sum(tl.where(above, d, 0.0), 2), 1)
+                    count += tl.sum(tl.sum(above.to(tl.float64), 2), 1)
+                # The support at t, and its tau: t itself once the support stops changing.
+                t = tl.where(active, t + (total - 1.0) / count, t)
+                count = tl.where(active, count, last)
+        tol = tl.abs(t) * EXACT_ZERO_BELOW
+        for start in range(0, n, WIDTH):
+            off, mask = _row_offsets(block, start, n_rows, n, inner, x_stride_outer,
+                                     x_stride_inner, x_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+            x = tl.load(X + off, mask=mask & live[:, None, None], other=-float("inf"))
+            y = x.to(tl.float64) - m[:, None, None] - t[:, None, None]
+            y = tl.where(y <= tol[:, None, None], 0.0, y)
+            y_off = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                                 y_stride_n, BLOCK_M, 1, WIDTH, WIDE)[0]
+            tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask & live[:, None, None])
+
+
+@triton.jit
+def _map_block(X, Y, x, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+               y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN: tl.constexpr,
+               REFINE_FN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               GROUP: tl.constexpr, WIDE: tl.constexpr, PREFETCHING: tl.constexpr):
+    """Y's block of rows from x, the block's raw tile (`_map_rows`)."""
+    WIDTH: tl.constexpr = BLOCK_N // GROUP
+    if REFINE_FN is None:
+        y = ROWS_FN(_compute_dtype(x), GROUP, PREFETCHING)
+        _store_rows(Y, y, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+                    BLOCK_M, GROUP, WIDTH, WIDE)
+    else:
+        y, any_refine, row_max, tau = ROWS_FN(_compute_dtype(x), GROUP, PREFETCHING)
+        _store_rows(Y, y, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+                    BLOCK_M, GROUP, WIDTH, WIDE)
+        REFINE_FN(X, Y, block, any_refine, row_max, tau, n_rows, n, inner, x_stride_outer,
+                  x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner, y_stride_n,
+                  BLOCK_M, BLOCK_N, WIDE)
 
 
 @triton.jit
 def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
               y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-              WIDE: tl.constexpr, PREFETCH: tl.constexpr):
+              REFINE_FN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              GROUP: tl.constexpr, WIDE: tl.constexpr, PREFETCH: tl.constexpr):
     """Y = ROWS_FN(X tile, GROUP, PREFETCHING), BLOCK_M whole rows at a time held in
-    registers: one read, one write.
+    registers: one read, one write. With a REFINE_FN, ROWS_FN returns (tile, any, row_max,
+    tau) and REFINE_FN(X, Y, block, any, row_max, tau, ...) follows each tile's store, its
+    tile no longer live (`_refine_rows`).
 
     Without PREFETCH a program does one block. With it, program p does blocks p, p + programs,
     ... and issues the next block's load before working on this one: when all blocks fit in
@@ -352,13 +453,15 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
                                    programs, num_stages=1):
             x_next = _load_raw_rows(X, next_block, n_rows, n, inner, x_stride_outer,
                                     x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-            _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP, True), block, n_rows, n, inner,
-                        y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+            _map_block(X, Y, x, block, n_rows, n, inner, x_stride_outer, x_stride_inner,
+                       x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN,
+                       REFINE_FN, BLOCK_M, BLOCK_N, GROUP, WIDE, True)
             x = x_next
             block = next_block
     else:
-        _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP, False), block, n_rows, n, inner,
-                    y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+        _map_block(X, Y, x, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+                   y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN, REFINE_FN, BLOCK_M,
+                   BLOCK_N, GROUP, WIDE, False)
 
 
 @triton.jit
@@ -371,7 +474,7 @@ def sparsemax_forward_kernel(
 ):
     """Whole rows held in registers (`_map_rows`)."""
     _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-              y_stride_outer, y_stride_inner, y_stride_n, _sparsemax_rows,
+              y_stride_outer, y_stride_inner, y_stride_n, _sparsemax_rows, _refine_rows,
               BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH)
 
 
@@ -670,7 +773,7 @@ def sparsemax_split_write_kernel(
         tl.store(Y + y_off, zero.to(Y.dtype.element_ty), mask=mask)
         tl.debug_barrier()
         cand_z = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
-        cand_y = _sparsemax_tile(cand_z, pivot, step, bad, every_row, False)
+        cand_y = _sparsemax_tile(cand_z, pivot, step, bad, every_row, False)[0]
         cand_y = tl.reshape(cand_y, [SPARSE])
         tl.store(Y + _entry_offsets(row, split * CHUNK + index, inner, y_stride_outer,
                                     y_stride_inner, y_stride_n, WIDE),
@@ -682,7 +785,7 @@ def sparsemax_split_write_kernel(
                              y_stride_n, CHUNK, GROUP, WIDE)[1]
         x = tl.load(X + x_off, mask=mask, other=-float("inf"))
         z = x.to(row_max.dtype) - row_max[:, None, None]
-        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad, every_row, False).to(
+        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad, every_row, False)[0].to(
             Y.dtype.element_ty), mask=mask)
 
 
@@ -839,7 +942,7 @@ def launch_config(n_rows: int, n: int, num_warps=None, block_m=None, newton=Fals
     if block_m is None:
         block_m = max(1, min(_next_power_of_2(n_rows), ELEMENTS_PER_PROGRAM // block_n))
     elements = block_m * block_n
-    if num_warps is None and newton and block_n < SHORT_ROW:
+    if num_warps is None and newton and block_n < SHORT_ROW.value:
         num_warps = max(1, min(4, elements // (32 * SHORT_ROW_ENTRIES_PER_THREAD)))
     if num_warps is None:
         # Measured on an H200 (benchmarks/NOTES.md): 128 entries per thread, but two warps
