@@ -62,12 +62,10 @@ PART_MAX, PART_BOUND, PART_COUNT = (tl.constexpr(i) for i in range(3))
 STATE_SIZE = tl.constexpr(3)
 STATE_MAX, STATE_PIVOT, STATE_STEP = (tl.constexpr(i) for i in range(3))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
-# A tiny fp32 row (`_tiny`) is computed again in fp64 (`_refine_rows`), from a lower bound this
-# far below its fp32 tau (which the rounding of x - max and of the fp32 Newton steps move by
-# about 2^-22), with outputs at most EXACT_ZERO_BELOW of |tau| ties (`reference.exact_outputs`).
-REFINE_MARGIN = tl.constexpr(2.0**-18)
-REFINE_STEPS = tl.constexpr(16)  # Newton's steps from there: 2-3 unless many entries lie between
+# A tiny fp32 row's outputs with tau to ~2^-46 (`_exact_outputs`): those at most this much of
+# |tau| are ties with tau (`reference.EXACT_ZERO_BELOW`); Newton takes 1-2 of NEAR_STEPS.
 EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
+NEAR_STEPS = tl.constexpr(16)
 # Split rows are cut into chunks of (entries, warps) (fp64: half the entries): at most half the
 # registers of a whole row, as the first pass keeps its candidates' slots and offsets live too.
 # Measured on an H200 (benchmarks/NOTES.md, v10): from SPLIT_MANY_ROWS rows on, smaller
@@ -225,7 +223,7 @@ def _zero_below(tau):
 def _tiny(pivot, step, smallest):
     """Whether a row's smallest positive output (smallest - step, `_newton_threshold`) is
     within rounding of tau: an entry tied with tau, as entries on a coarse grid (bf16) often
-    are, or a true output that small, which fp32 cannot tell apart."""
+    are, or a true output that small."""
     return smallest - step <= _zero_below(pivot + step)
 
 
@@ -243,12 +241,70 @@ def _zero_at_tau(y, tau):
 
 
 @triton.jit
+def _two_sum(a, b):
+    """(s, e) with s = fl(a + b) and s + e = a + b exactly (Knuth)."""
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
+
+
+@triton.jit
+def _add_pairs(hi_a, lo_a, count_a, hi_b, lo_b, count_b):
+    hi, lo = _two_sum(hi_a, hi_b)
+    return hi, lo + (lo_a + lo_b), count_a + count_b
+
+
+@triton.jit
+def _pair_sums(z, mask):
+    """Per row of a [BLOCK_M, A, B] fp32 tile: the sum of z where mask, to ~2^-46 of it, as
+    fp64 (a compensated fp32 sum: no fp64 tile), and the count, in one reduction."""
+    hi, lo, count = tl.reduce((tl.where(mask, z, 0.0), tl.zeros_like(z), mask.to(tl.int32)),
+                              2, _add_pairs)
+    hi, lo, count = tl.reduce((hi, lo, count), 1, _add_pairs)
+    return hi.to(tl.float64) + lo.to(tl.float64), count
+
+
+@triton.jit
+def _exact_outputs(z, pivot, step, tiny):
+    """max(z - tau, 0) of the `tiny` rows of an fp32 tile of z (others: not meaningful), whose
+    fp32 threshold (pivot, step), rounded by up to ~4 ulps of tau, cannot tell an entry tied
+    with tau from a true output that small: with tau to ~2^-46 (`reference.exact_outputs`).
+
+    The entries above `top`, that rounding above the fp32 tau, are in the support; the few
+    below it and near tau are decided exactly: Newton from the tau of those above (the tau of
+    part of a support is at most the row's) over them and the near ones above it, on
+    compensated sums (`_pair_sums`). Outputs within EXACT_ZERO_BELOW of tau are ties."""
+    rule = _zero_below(pivot + step)
+    top = (pivot + step) + rule
+    sure_total, sure_count = _pair_sums(z, z > top[:, None, None])
+    tau = (sure_total - 1.0) / sure_count.to(tl.float64)
+    count = sure_count
+    last = count - 1
+    for _ in range(NEAR_STEPS):
+        if tl.max((tiny & (count != last)).to(tl.int32), axis=0) > 0:
+            # z - tau_hi is exact near tau (Sterbenz) and rounds monotonically elsewhere, so
+            # both tests are exact; both depend on tau, so neither is a tile kept live across
+            # the loop.
+            tau_hi = tau.to(tl.float32)
+            tau_lo = (tau - tau_hi.to(tl.float64)).to(tl.float32)
+            d = z - tau_hi[:, None, None]
+            near = (d > tau_lo[:, None, None]) & (d <= (top - tau_hi)[:, None, None])
+            near_total, near_count = _pair_sums(z, near)
+            last = count
+            count = sure_count + near_count
+            tau = (sure_total + near_total - 1.0) / count.to(tl.float64)
+    tau_hi = tau.to(tl.float32)
+    y = _above_tau(z, tau_hi, (tau - tau_hi.to(tl.float64)).to(tl.float32))
+    return tl.where(y <= (tl.abs(tau) * EXACT_ZERO_BELOW).to(tl.float32)[:, None, None], 0.0, y)
+
+
+@triton.jit
 def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
     """(max(z - tau, 0) with tau = pivot + step, whether any row is `tiny`). In a tile where a
     row is tiny or its last step negative (which may leave entries at the pivot just above 0),
     outputs within rounding of tau are 0 too, so that an entry tied with tau is outside the
     support, as in exact arithmetic; other tiles skip that test per entry. (A tiny row's true
-    outputs that small are restored by `_refine_rows`.)
+    outputs that small come back in `_refine_rows`.)
 
     Short rows, many a tile, spread over the warps, take the test per row instead: whether any
     row is tied would take a reduction across warps (3 barriers a tile at 8-64 entries, triton
@@ -268,14 +324,13 @@ def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
         return tl.where(y <= tol[:, None, None], 0.0, y), tl.max(tiny.to(tl.int32), axis=0) > 0
     # One reduction says both: the worst row is 2 if tiny (a tiny row is tied), 1 if tied.
     worst = tl.max(tied.to(tl.int32) + tiny.to(tl.int32), axis=0)
-    any_tied = worst > 0
     if PREFETCHING:
         y = _above_tau(z, pivot, step)
         out = tl.maximum(y, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        if any_tied:
+        if worst > 0:
             out = _zero_at_tau(y, pivot + step)
     else:
-        if any_tied:
+        if worst > 0:
             out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
         else:
             out = tl.maximum(_above_tau(z, pivot, step), 0.0, propagate_nan=tl.PropagateNan.ALL)
@@ -340,72 +395,37 @@ def _store_rows(Y, tile, block, n_rows, n, inner, stride_outer, stride_inner, st
 def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype, while the
     program holds the next tile (PREFETCHING) or not; with `_refine_rows`' arguments: whether
-    any row is to be computed again, each row's max, and its fp32 tau where it is (NaN where
-    not)."""
+    any row is tiny, and each row's max, threshold and whether it is."""
     group_max = _group_max(x)
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
     tiny = _tiny(pivot, step, smallest)
     y, any_tiny = _sparsemax_tile(z, pivot, step, _is_bad(row_max), tiny, PREFETCHING)
-    if x.dtype == tl.float32:
-        return y, any_tiny, row_max, tl.where(tiny, pivot + step, float("nan"))
-    return y, False, row_max, row_max  # fp64 rows round their ties at 2^-51 of tau already
+    if x.dtype == tl.float64:  # fp64 ties round at 2^-51 of tau: the rule is exact enough
+        any_tiny = False
+    return y, any_tiny, row_max, pivot, step, tiny
 
 
 @triton.jit
-def _refine_rows(X, Y, block, any_tiny, row_max, tau, n_rows, n, inner,
+def _refine_rows(X, Y, block, any_tiny, row_max, pivot, step, tiny, n_rows, n, inner,
                  x_stride_outer, x_stride_inner, x_stride_n,
                  y_stride_outer, y_stride_inner, y_stride_n,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
-    """Rows of the block with a tau (not NaN), tiny fp32 rows whose outputs the program has
-    just stored, computed again in fp64 from X (`reference.exact_outputs`): fp32's rounding of
-    tau cannot tell an entry tied with tau from a true output of a few ulps of it. Rare (about
-    1 row in 10^3 of bf16 randn rows, far fewer of fp32's), so the rows are read again, a
-    slice at a time, rather than held: the registers stay those of the common path.
-
-    Newton in fp64 from REFINE_MARGIN below the fp32 tau, over z = x - max (exact in fp64),
-    until its support stops changing; then the outputs, ties zeroed at EXACT_ZERO_BELOW."""
+                 BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
+                 WIDE: tl.constexpr):
+    """The `tiny` rows of a block whose outputs the program has just stored, again with
+    `_exact_outputs`. Rare (about 1 row in 10^3 of bf16 randn rows, far fewer of fp32's): the
+    block is read again (from L2) once its tile is no longer live, so that the common path
+    keeps its registers; z is made from it as `_sparsemax_rows` made it."""
     if any_tiny:
         # This program's stores of the rows land before they are written again.
         tl.debug_barrier()
-        # 4-8 entries a thread, with the launch heuristics' 16 (short rows) to 64-128 entries
-        # of the tile: few registers beside a prefetched tile.
-        WIDTH: tl.constexpr = BLOCK_N // 16 if BLOCK_N >= SHORT_ROW else max(1, BLOCK_N // 2)
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        live = (tau == tau) & (rows < n_rows)
-        m = row_max.to(tl.float64)
-        t = tau.to(tl.float64) - REFINE_MARGIN
-        count = tl.zeros([BLOCK_M], tl.float64)
-        last = tl.full([BLOCK_M], -1.0, tl.float64)
-        for _ in range(REFINE_STEPS):
-            active = live & (count != last)
-            if tl.max(active.to(tl.int32), axis=0) > 0:
-                total = tl.zeros([BLOCK_M], tl.float64)
-                last = count
-                count = tl.zeros([BLOCK_M], tl.float64)
-                for start in range(0, n, WIDTH):
-                    off, mask = _row_offsets(block, start, n_rows, n, inner, x_stride_outer,
-                                             x_stride_inner, x_stride_n, BLOCK_M, 1, WIDTH, WIDE)
-                    x = tl.load(X + off, mask=mask & active[:, None, None],
-                                other=-float("inf"))
-                    d = x.to(tl.float64) - m[:, None, None] - t[:, None, None]
-                    above = d > 0
-                    total += tl.sum(tl.sum(tl.where(above, d, 0.0), 2), 1)
-                    count += tl.sum(tl.sum(above.to(tl.float64), 2), 1)
-                # The support at t, and its tau: t itself once the support stops changing.
-                t = tl.where(active, t + (total - 1.0) / count, t)
-                count = tl.where(active, count, last)
-        tol = tl.abs(t) * EXACT_ZERO_BELOW
-        for start in range(0, n, WIDTH):
-            off, mask = _row_offsets(block, start, n_rows, n, inner, x_stride_outer,
-                                     x_stride_inner, x_stride_n, BLOCK_M, 1, WIDTH, WIDE)
-            x = tl.load(X + off, mask=mask & live[:, None, None], other=-float("inf"))
-            y = x.to(tl.float64) - m[:, None, None] - t[:, None, None]
-            y = tl.where(y <= tol[:, None, None], 0.0, y)
-            y_off = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                 y_stride_n, BLOCK_M, 1, WIDTH, WIDE)[0]
-            tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask & live[:, None, None])
+        x = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
+                       BLOCK_M, GROUP, WIDTH, WIDE)
+        y = _exact_outputs(x - row_max[:, None, None], pivot, step, tiny)
+        off, mask = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                                 y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+        tl.store(Y + off, y.to(Y.dtype.element_ty), mask=mask & tiny[:, None, None])
 
 
 @triton.jit
@@ -420,12 +440,13 @@ def _map_block(X, Y, x, block, n_rows, n, inner, x_stride_outer, x_stride_inner,
         _store_rows(Y, y, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
                     BLOCK_M, GROUP, WIDTH, WIDE)
     else:
-        y, any_refine, row_max, tau = ROWS_FN(_compute_dtype(x), GROUP, PREFETCHING)
+        y, any_refine, row_max, pivot, step, refine = ROWS_FN(_compute_dtype(x), GROUP,
+                                                              PREFETCHING)
         _store_rows(Y, y, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
                     BLOCK_M, GROUP, WIDTH, WIDE)
-        REFINE_FN(X, Y, block, any_refine, row_max, tau, n_rows, n, inner, x_stride_outer,
-                  x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner, y_stride_n,
-                  BLOCK_M, BLOCK_N, WIDE)
+        REFINE_FN(X, Y, block, any_refine, row_max, pivot, step, refine, n_rows, n, inner,
+                  x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
+                  y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
 
 
 @triton.jit
@@ -434,9 +455,8 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
               REFINE_FN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               GROUP: tl.constexpr, WIDE: tl.constexpr, PREFETCH: tl.constexpr):
     """Y = ROWS_FN(X tile, GROUP, PREFETCHING), BLOCK_M whole rows at a time held in
-    registers: one read, one write. With a REFINE_FN, ROWS_FN returns (tile, any, row_max,
-    tau) and REFINE_FN(X, Y, block, any, row_max, tau, ...) follows each tile's store, its
-    tile no longer live (`_refine_rows`).
+    registers: one read, one write. With a REFINE_FN, ROWS_FN returns the tile and REFINE_FN's
+    arguments, and REFINE_FN follows each tile's store (`_refine_rows`).
 
     Without PREFETCH a program does one block. With it, program p does blocks p, p + programs,
     ... and issues the next block's load before working on this one: when all blocks fit in
