@@ -266,7 +266,7 @@ def test_an_entry_just_above_tau_stays_in_the_support(chunk):
 @pytest.mark.parametrize("n", [100, 1000, 4096])
 def test_a_tiny_row_among_others(n):
     """The row above, padded with entries outside its support, between randn rows of a tile:
-    its tau is refined, the other rows keep their outputs."""
+    its outputs are computed again in fp64, the other rows keep theirs."""
     x = make("randn", 5, n, seed=n)
     row = torch.full((n,), -3.0, device=DEVICE)
     row[:8] = torch.tensor(ROW_JUST_ABOVE_TAU, device=DEVICE)

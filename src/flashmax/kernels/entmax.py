@@ -174,7 +174,7 @@ def entmax15_forward_kernel(
 ):
     """Whole rows held in registers (`_map_rows`)."""
     _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-              y_stride_outer, y_stride_inner, y_stride_n, _entmax15_rows, None,
+              y_stride_outer, y_stride_inner, y_stride_n, _entmax15_rows,
               BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH)
 
 

@@ -62,10 +62,9 @@ PART_MAX, PART_BOUND, PART_COUNT = (tl.constexpr(i) for i in range(3))
 STATE_SIZE = tl.constexpr(3)
 STATE_MAX, STATE_PIVOT, STATE_STEP = (tl.constexpr(i) for i in range(3))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
-# A tiny fp32 row's outputs with tau to ~2^-46 (`_exact_outputs`): those at most this much of
-# |tau| are ties with tau (`reference.EXACT_ZERO_BELOW`); Newton takes 1-2 of NEAR_STEPS.
+# A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
+# are ties with tau (`reference.EXACT_ZERO_BELOW`).
 EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
-NEAR_STEPS = tl.constexpr(16)
 # Split rows are cut into chunks of (entries, warps) (fp64: half the entries): at most half the
 # registers of a whole row, as the first pass keeps its candidates' slots and offsets live too.
 # Measured on an H200 (benchmarks/NOTES.md, v10): from SPLIT_MANY_ROWS rows on, smaller
@@ -241,74 +240,45 @@ def _zero_at_tau(y, tau):
 
 
 @triton.jit
-def _two_sum(a, b):
-    """(s, e) with s = fl(a + b) and s + e = a + b exactly (Knuth)."""
-    s = a + b
-    b_part = s - a
-    return s, (a - (s - b_part)) + (b - b_part)
+def _exact_outputs(z, pivot, step, tiny, tied):
+    """max(z - tau, 0) of each row of an fp32 tile of z; in `tiny` rows, whose fp32 threshold
+    (pivot, step), rounded by up to ~4 ulps of tau, cannot tell an entry tied with tau from a
+    true output that small, with tau refined in fp64 (`reference.exact_outputs`); in other
+    `tied` rows, outputs within rounding of tau are 0 (`_zero_at_tau`).
+
+    One Newton step in fp64 from 2^-20 of tau below (pivot, step): its support holds the
+    row's, entries tied with tau (which leave tau as it is) and entries within that much below
+    tau (which lower it by at most that over the support's size, and stay below it), so the
+    step lands on tau. z - lower is exact in fp64. tau goes back as (pivot, step) in fp32,
+    ~48 bits; outputs within EXACT_ZERO_BELOW of it are ties. The branch's registers count
+    where it is not taken too (NOTES, v23: up to 13% at 256 entries)."""
+    tau = pivot.to(tl.float64) + step.to(tl.float64)
+    lower = tau - tl.abs(tau) * 2.0**-20
+    d = z.to(tl.float64) - lower[:, None, None]
+    support = d > 0
+    total, count = tl.reduce((tl.where(support, d, 0.0), support.to(tl.float64)), 1, _add_add)
+    total, count = tl.reduce((total, count), 1, _add_add)
+    exact = lower + (total - 1.0) / count
+    exact_pivot = exact.to(tl.float32)
+    tol = tl.where(tied, _zero_below(pivot + step), 0.0)
+    pivot = tl.where(tiny, exact_pivot, pivot)
+    step = tl.where(tiny, (exact - exact_pivot.to(tl.float64)).to(tl.float32), step)
+    tol = tl.where(tiny, (tl.abs(exact) * EXACT_ZERO_BELOW).to(tl.float32), tol)
+    # NaN (a bad row's step) stays NaN: NaN <= tol is false.
+    y = _above_tau(z, pivot, step)
+    return tl.where(y <= tol[:, None, None], 0.0, y)
 
 
 @triton.jit
-def _add_pairs(hi_a, lo_a, count_a, hi_b, lo_b, count_b):
-    hi, lo = _two_sum(hi_a, hi_b)
-    return hi, lo + (lo_a + lo_b), count_a + count_b
-
-
-@triton.jit
-def _pair_sums(z, mask):
-    """Per row of a [BLOCK_M, A, B] fp32 tile: the sum of z where mask, to ~2^-46 of it, as
-    fp64 (a compensated fp32 sum: no fp64 tile), and the count, in one reduction."""
-    hi, lo, count = tl.reduce((tl.where(mask, z, 0.0), tl.zeros_like(z), mask.to(tl.int32)),
-                              2, _add_pairs)
-    hi, lo, count = tl.reduce((hi, lo, count), 1, _add_pairs)
-    return hi.to(tl.float64) + lo.to(tl.float64), count
-
-
-@triton.jit
-def _exact_outputs(z, pivot, step, tiny):
-    """max(z - tau, 0) of the `tiny` rows of an fp32 tile of z (others: not meaningful), whose
-    fp32 threshold (pivot, step), rounded by up to ~4 ulps of tau, cannot tell an entry tied
-    with tau from a true output that small: with tau to ~2^-46 (`reference.exact_outputs`).
-
-    The entries above `top`, that rounding above the fp32 tau, are in the support; the few
-    below it and near tau are decided exactly: Newton from the tau of those above (the tau of
-    part of a support is at most the row's) over them and the near ones above it, on
-    compensated sums (`_pair_sums`). Outputs within EXACT_ZERO_BELOW of tau are ties."""
-    rule = _zero_below(pivot + step)
-    top = (pivot + step) + rule
-    sure_total, sure_count = _pair_sums(z, z > top[:, None, None])
-    tau = (sure_total - 1.0) / sure_count.to(tl.float64)
-    count = sure_count
-    last = count - 1
-    for _ in range(NEAR_STEPS):
-        if tl.max((tiny & (count != last)).to(tl.int32), axis=0) > 0:
-            # z - tau_hi is exact near tau (Sterbenz) and rounds monotonically elsewhere, so
-            # both tests are exact; both depend on tau, so neither is a tile kept live across
-            # the loop.
-            tau_hi = tau.to(tl.float32)
-            tau_lo = (tau - tau_hi.to(tl.float64)).to(tl.float32)
-            d = z - tau_hi[:, None, None]
-            near = (d > tau_lo[:, None, None]) & (d <= (top - tau_hi)[:, None, None])
-            near_total, near_count = _pair_sums(z, near)
-            last = count
-            count = sure_count + near_count
-            tau = (sure_total + near_total - 1.0) / count.to(tl.float64)
-    tau_hi = tau.to(tl.float32)
-    y = _above_tau(z, tau_hi, (tau - tau_hi.to(tl.float64)).to(tl.float32))
-    return tl.where(y <= (tl.abs(tau) * EXACT_ZERO_BELOW).to(tl.float32)[:, None, None], 0.0, y)
-
-
-@triton.jit
-def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
-    """(max(z - tau, 0) with tau = pivot + step, whether any row is `tiny`). In a tile where a
-    row is tiny or its last step negative (which may leave entries at the pivot just above 0),
-    outputs within rounding of tau are 0 too, so that an entry tied with tau is outside the
-    support, as in exact arithmetic; other tiles skip that test per entry. (A tiny row's true
-    outputs that small come back in `_refine_rows`.)
-
-    Short rows, many a tile, spread over the warps, take the test per row instead: whether any
-    row is tied would take a reduction across warps (3 barriers a tile at 8-64 entries, triton
-    3.6), a per-row bound one compare-and-select an entry in place of the maximum.
+def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr, EXACT: tl.constexpr):
+    """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tiny` (`_tiny`) or
+    its last step negative (which may leave entries at the pivot just above 0), outputs within
+    rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
+    exact arithmetic. Other tiles skip that test per entry. With EXACT (whole rows in the tile,
+    fp32), a tiny row's outputs are computed again in fp64 instead (`_exact_outputs`): fp32's
+    rounding alone cannot tell a tie from a true output of a few ulps of tau. (A negative last
+    step is common, ~20% of randn rows, and its entries at the pivot rare: those rows keep the
+    rule, which costs a compare per entry where fp64 would cost a pass.)
 
     Two shapes of the same code, measured on an H200 (NOTES, v16): without a prefetched tile,
     each branch makes its outputs from z (one tile live: no spills at 16384 and 32768 entries,
@@ -318,23 +288,40 @@ def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
     # A bad row's step is NaN: the NaN-propagating maximum, and `y <= tol` (false), keep it.
     step = tl.where(bad, float("nan"), step)
     tied = tiny | (step < 0)
+    exact: tl.constexpr = EXACT and z.dtype == tl.float32
     if z.shape[1] * z.shape[2] < SHORT_ROW:
+        # Short rows, many a tile, spread over the warps: whether any is tied would take a
+        # reduction across warps (3 barriers a tile at 8-64 entries, triton 3.6); a per-row
+        # bound costs one compare-and-select an entry in place of the maximum instead. Only
+        # whether any row is tiny (rare) still takes one.
         tol = tl.where(tied, _zero_below(pivot + step), 0.0)
         y = _above_tau(z, pivot, step)
-        return tl.where(y <= tol[:, None, None], 0.0, y), tl.max(tiny.to(tl.int32), axis=0) > 0
+        out = tl.where(y <= tol[:, None, None], 0.0, y)
+        if exact:
+            if tl.max(tiny.to(tl.int32), axis=0) > 0:
+                out = _exact_outputs(z, pivot, step, tiny, tied)
+        return out
     # One reduction says both: the worst row is 2 if tiny (a tiny row is tied), 1 if tied.
     worst = tl.max(tied.to(tl.int32) + tiny.to(tl.int32), axis=0)
+    any_tied = worst > 0
+    any_tiny = worst > 1
     if PREFETCHING:
         y = _above_tau(z, pivot, step)
         out = tl.maximum(y, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        if worst > 0:
-            out = _zero_at_tau(y, pivot + step)
+        if any_tied:
+            if exact and any_tiny:
+                out = _exact_outputs(z, pivot, step, tiny, tied)
+            else:
+                out = _zero_at_tau(y, pivot + step)
     else:
-        if worst > 0:
-            out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
+        if any_tied:
+            if exact and any_tiny:
+                out = _exact_outputs(z, pivot, step, tiny, tied)
+            else:
+                out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
         else:
             out = tl.maximum(_above_tau(z, pivot, step), 0.0, propagate_nan=tl.PropagateNan.ALL)
-    return out, worst > 1
+    return out
 
 
 @triton.jit
@@ -394,69 +381,22 @@ def _store_rows(Y, tile, block, n_rows, n, inner, stride_outer, stride_inner, st
 @triton.jit
 def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype, while the
-    program holds the next tile (PREFETCHING) or not; with `_refine_rows`' arguments: whether
-    any row is tiny, and each row's max, threshold and whether it is."""
+    program holds the next tile (PREFETCHING) or not."""
     group_max = _group_max(x)
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
-    tiny = _tiny(pivot, step, smallest)
-    y, any_tiny = _sparsemax_tile(z, pivot, step, _is_bad(row_max), tiny, PREFETCHING)
-    if x.dtype == tl.float64:  # fp64 ties round at 2^-51 of tau: the rule is exact enough
-        any_tiny = False
-    return y, any_tiny, row_max, pivot, step, tiny
-
-
-@triton.jit
-def _refine_rows(X, Y, block, any_tiny, row_max, pivot, step, tiny, n_rows, n, inner,
-                 x_stride_outer, x_stride_inner, x_stride_n,
-                 y_stride_outer, y_stride_inner, y_stride_n,
-                 BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
-                 WIDE: tl.constexpr):
-    """The `tiny` rows of a block whose outputs the program has just stored, again with
-    `_exact_outputs`. Rare (about 1 row in 10^3 of bf16 randn rows, far fewer of fp32's): the
-    block is read again (from L2) once its tile is no longer live, so that the common path
-    keeps its registers; z is made from it as `_sparsemax_rows` made it."""
-    if any_tiny:
-        # This program's stores of the rows land before they are written again.
-        tl.debug_barrier()
-        x = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                       BLOCK_M, GROUP, WIDTH, WIDE)
-        y = _exact_outputs(x - row_max[:, None, None], pivot, step, tiny)
-        off, mask = _row_offsets(block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                 y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-        tl.store(Y + off, y.to(Y.dtype.element_ty), mask=mask & tiny[:, None, None])
-
-
-@triton.jit
-def _map_block(X, Y, x, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-               y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN: tl.constexpr,
-               REFINE_FN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               GROUP: tl.constexpr, WIDE: tl.constexpr, PREFETCHING: tl.constexpr):
-    """Y's block of rows from x, the block's raw tile (`_map_rows`)."""
-    WIDTH: tl.constexpr = BLOCK_N // GROUP
-    if REFINE_FN is None:
-        y = ROWS_FN(_compute_dtype(x), GROUP, PREFETCHING)
-        _store_rows(Y, y, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
-                    BLOCK_M, GROUP, WIDTH, WIDE)
-    else:
-        y, any_refine, row_max, pivot, step, refine = ROWS_FN(_compute_dtype(x), GROUP,
-                                                              PREFETCHING)
-        _store_rows(Y, y, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
-                    BLOCK_M, GROUP, WIDTH, WIDE)
-        REFINE_FN(X, Y, block, any_refine, row_max, pivot, step, refine, n_rows, n, inner,
-                  x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
-                  y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
+                           PREFETCHING, True)
 
 
 @triton.jit
 def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
               y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN: tl.constexpr,
-              REFINE_FN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              GROUP: tl.constexpr, WIDE: tl.constexpr, PREFETCH: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+              WIDE: tl.constexpr, PREFETCH: tl.constexpr):
     """Y = ROWS_FN(X tile, GROUP, PREFETCHING), BLOCK_M whole rows at a time held in
-    registers: one read, one write. With a REFINE_FN, ROWS_FN returns the tile and REFINE_FN's
-    arguments, and REFINE_FN follows each tile's store (`_refine_rows`).
+    registers: one read, one write.
 
     Without PREFETCH a program does one block. With it, program p does blocks p, p + programs,
     ... and issues the next block's load before working on this one: when all blocks fit in
@@ -473,15 +413,13 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
                                    programs, num_stages=1):
             x_next = _load_raw_rows(X, next_block, n_rows, n, inner, x_stride_outer,
                                     x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-            _map_block(X, Y, x, block, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                       x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN,
-                       REFINE_FN, BLOCK_M, BLOCK_N, GROUP, WIDE, True)
+            _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP, True), block, n_rows, n, inner,
+                        y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
             x = x_next
             block = next_block
     else:
-        _map_block(X, Y, x, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                   y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN, REFINE_FN, BLOCK_M,
-                   BLOCK_N, GROUP, WIDE, False)
+        _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP, False), block, n_rows, n, inner,
+                    y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
 
 
 @triton.jit
@@ -494,7 +432,7 @@ def sparsemax_forward_kernel(
 ):
     """Whole rows held in registers (`_map_rows`)."""
     _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-              y_stride_outer, y_stride_inner, y_stride_n, _sparsemax_rows, _refine_rows,
+              y_stride_outer, y_stride_inner, y_stride_n, _sparsemax_rows,
               BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH)
 
 
@@ -793,7 +731,7 @@ def sparsemax_split_write_kernel(
         tl.store(Y + y_off, zero.to(Y.dtype.element_ty), mask=mask)
         tl.debug_barrier()
         cand_z = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
-        cand_y = _sparsemax_tile(cand_z, pivot, step, bad, every_row, False)[0]
+        cand_y = _sparsemax_tile(cand_z, pivot, step, bad, every_row, False, False)
         cand_y = tl.reshape(cand_y, [SPARSE])
         tl.store(Y + _entry_offsets(row, split * CHUNK + index, inner, y_stride_outer,
                                     y_stride_inner, y_stride_n, WIDE),
@@ -805,7 +743,7 @@ def sparsemax_split_write_kernel(
                              y_stride_n, CHUNK, GROUP, WIDE)[1]
         x = tl.load(X + x_off, mask=mask, other=-float("inf"))
         z = x.to(row_max.dtype) - row_max[:, None, None]
-        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad, every_row, False)[0].to(
+        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad, every_row, False, False).to(
             Y.dtype.element_ty), mask=mask)
 
 
