@@ -44,7 +44,7 @@ ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer
 # The forward's rows shorter than this are spread over up to 4 warps: with one warp a thread
 # would carry the Newton state of 16-32 rows (255 registers, few programs per SM). Measured on an
 # H200 (benchmarks/NOTES.md, v8): faster below 256 entries, slower at 256.
-SHORT_ROW = 256
+SHORT_ROW = tl.constexpr(256)
 SHORT_ROW_ENTRIES_PER_THREAD = 16
 # Rows of PREFETCH_ROWS entries fit a program's registers twice at 64 entries a thread, so each
 # program can walk several blocks and load the next before searching this one's threshold;
@@ -62,6 +62,9 @@ PART_MAX, PART_BOUND, PART_COUNT = (tl.constexpr(i) for i in range(3))
 STATE_SIZE = tl.constexpr(3)
 STATE_MAX, STATE_PIVOT, STATE_STEP = (tl.constexpr(i) for i in range(3))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
+# A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
+# are ties with tau (`reference.EXACT_ZERO_BELOW`).
+EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
 # Split rows are cut into chunks of (entries, warps) (fp64: half the entries): at most half the
 # registers of a whole row, as the first pass keeps its candidates' slots and offsets live too.
 # Measured on an H200 (benchmarks/NOTES.md, v10): from SPLIT_MANY_ROWS rows on, smaller
@@ -216,11 +219,11 @@ def _zero_below(tau):
 
 
 @triton.jit
-def _tied(pivot, step, smallest):
-    """Whether a row's smallest positive output (smallest - step, `_newton_threshold`) may be
+def _tiny(pivot, step, smallest):
+    """Whether a row's smallest positive output (smallest - step, `_newton_threshold`) is
     within rounding of tau: an entry tied with tau, as entries on a coarse grid (bf16) often
-    are. A negative final step may leave entries at the pivot just above 0 as well."""
-    return (smallest - step <= _zero_below(pivot + step)) | (step < 0)
+    are, or a true output that small."""
+    return smallest - step <= _zero_below(pivot + step)
 
 
 @triton.jit
@@ -237,10 +240,45 @@ def _zero_at_tau(y, tau):
 
 
 @triton.jit
-def _sparsemax_tile(z, pivot, step, bad, tied, PREFETCHING: tl.constexpr):
-    """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tied`, outputs within
+def _exact_outputs(z, pivot, step, tiny, tied):
+    """max(z - tau, 0) of each row of an fp32 tile of z; in `tiny` rows, whose fp32 threshold
+    (pivot, step), rounded by up to ~4 ulps of tau, cannot tell an entry tied with tau from a
+    true output that small, with tau refined in fp64 (`reference.exact_outputs`); in other
+    `tied` rows, outputs within rounding of tau are 0 (`_zero_at_tau`).
+
+    One Newton step in fp64 from 2^-20 of tau below (pivot, step): its support holds the
+    row's, entries tied with tau (which leave tau as it is) and entries within that much below
+    tau (which lower it by at most that over the support's size, and stay below it), so the
+    step lands on tau. z - lower is exact in fp64. tau goes back as (pivot, step) in fp32,
+    ~48 bits; outputs within EXACT_ZERO_BELOW of it are ties. The branch's registers count
+    where it is not taken too (NOTES, v23: up to 13% at 256 entries)."""
+    tau = pivot.to(tl.float64) + step.to(tl.float64)
+    lower = tau - tl.abs(tau) * 2.0**-20
+    d = z.to(tl.float64) - lower[:, None, None]
+    support = d > 0
+    total, count = tl.reduce((tl.where(support, d, 0.0), support.to(tl.float64)), 1, _add_add)
+    total, count = tl.reduce((total, count), 1, _add_add)
+    exact = lower + (total - 1.0) / count
+    exact_pivot = exact.to(tl.float32)
+    tol = tl.where(tied, _zero_below(pivot + step), 0.0)
+    pivot = tl.where(tiny, exact_pivot, pivot)
+    step = tl.where(tiny, (exact - exact_pivot.to(tl.float64)).to(tl.float32), step)
+    tol = tl.where(tiny, (tl.abs(exact) * EXACT_ZERO_BELOW).to(tl.float32), tol)
+    # NaN (a bad row's step) stays NaN: NaN <= tol is false.
+    y = _above_tau(z, pivot, step)
+    return tl.where(y <= tol[:, None, None], 0.0, y)
+
+
+@triton.jit
+def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr, EXACT: tl.constexpr):
+    """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tiny` (`_tiny`) or
+    its last step negative (which may leave entries at the pivot just above 0), outputs within
     rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
-    exact arithmetic. Other tiles skip that test per entry.
+    exact arithmetic. Other tiles skip that test per entry. With EXACT (whole rows in the tile,
+    fp32), a tiny row's outputs are computed again in fp64 instead (`_exact_outputs`): fp32's
+    rounding alone cannot tell a tie from a true output of a few ulps of tau. (A negative last
+    step is common, ~20% of randn rows, and its entries at the pivot rare: those rows keep the
+    rule, which costs a compare per entry where fp64 would cost a pass.)
 
     Two shapes of the same code, measured on an H200 (NOTES, v16): without a prefetched tile,
     each branch makes its outputs from z (one tile live: no spills at 16384 and 32768 entries,
@@ -249,15 +287,38 @@ def _sparsemax_tile(z, pivot, step, bad, tied, PREFETCHING: tl.constexpr):
     """
     # A bad row's step is NaN: the NaN-propagating maximum, and `y <= tol` (false), keep it.
     step = tl.where(bad, float("nan"), step)
-    any_tied = tl.max(tied.to(tl.int32), axis=0) > 0
+    tied = tiny | (step < 0)
+    exact: tl.constexpr = EXACT and z.dtype == tl.float32
+    if z.shape[1] * z.shape[2] < SHORT_ROW:
+        # Short rows, many a tile, spread over the warps: whether any is tied would take a
+        # reduction across warps (3 barriers a tile at 8-64 entries, triton 3.6); a per-row
+        # bound costs one compare-and-select an entry in place of the maximum instead. Only
+        # whether any row is tiny (rare) still takes one.
+        tol = tl.where(tied, _zero_below(pivot + step), 0.0)
+        y = _above_tau(z, pivot, step)
+        out = tl.where(y <= tol[:, None, None], 0.0, y)
+        if exact:
+            if tl.max(tiny.to(tl.int32), axis=0) > 0:
+                out = _exact_outputs(z, pivot, step, tiny, tied)
+        return out
+    # One reduction says both: the worst row is 2 if tiny (a tiny row is tied), 1 if tied.
+    worst = tl.max(tied.to(tl.int32) + tiny.to(tl.int32), axis=0)
+    any_tied = worst > 0
+    any_tiny = worst > 1
     if PREFETCHING:
         y = _above_tau(z, pivot, step)
         out = tl.maximum(y, 0.0, propagate_nan=tl.PropagateNan.ALL)
         if any_tied:
-            out = _zero_at_tau(y, pivot + step)
+            if exact and any_tiny:
+                out = _exact_outputs(z, pivot, step, tiny, tied)
+            else:
+                out = _zero_at_tau(y, pivot + step)
     else:
         if any_tied:
-            out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
+            if exact and any_tiny:
+                out = _exact_outputs(z, pivot, step, tiny, tied)
+            else:
+                out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
         else:
             out = tl.maximum(_above_tau(z, pivot, step), 0.0, propagate_nan=tl.PropagateNan.ALL)
     return out
@@ -325,8 +386,8 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
-    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tied(pivot, step, smallest),
-                           PREFETCHING)
+    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
+                           PREFETCHING, True)
 
 
 @triton.jit
@@ -670,7 +731,7 @@ def sparsemax_split_write_kernel(
         tl.store(Y + y_off, zero.to(Y.dtype.element_ty), mask=mask)
         tl.debug_barrier()
         cand_z = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
-        cand_y = _sparsemax_tile(cand_z, pivot, step, bad, every_row, False)
+        cand_y = _sparsemax_tile(cand_z, pivot, step, bad, every_row, False, False)
         cand_y = tl.reshape(cand_y, [SPARSE])
         tl.store(Y + _entry_offsets(row, split * CHUNK + index, inner, y_stride_outer,
                                     y_stride_inner, y_stride_n, WIDE),
@@ -682,7 +743,7 @@ def sparsemax_split_write_kernel(
                              y_stride_n, CHUNK, GROUP, WIDE)[1]
         x = tl.load(X + x_off, mask=mask, other=-float("inf"))
         z = x.to(row_max.dtype) - row_max[:, None, None]
-        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad, every_row, False).to(
+        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad, every_row, False, False).to(
             Y.dtype.element_ty), mask=mask)
 
 
@@ -839,7 +900,7 @@ def launch_config(n_rows: int, n: int, num_warps=None, block_m=None, newton=Fals
     if block_m is None:
         block_m = max(1, min(_next_power_of_2(n_rows), ELEMENTS_PER_PROGRAM // block_n))
     elements = block_m * block_n
-    if num_warps is None and newton and block_n < SHORT_ROW:
+    if num_warps is None and newton and block_n < SHORT_ROW.value:
         num_warps = max(1, min(4, elements // (32 * SHORT_ROW_ENTRIES_PER_THREAD)))
     if num_warps is None:
         # Measured on an H200 (benchmarks/NOTES.md): 128 entries per thread, but two warps
