@@ -253,9 +253,7 @@ def test_entries_at_tau_are_outside_the_support(dtype, chunk):
     assert torch.allclose(dx.double(), want, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("chunk", [None, pytest.param(4, marks=pytest.mark.xfail(
-    strict=True, reason="known defect: split rows keep fp32's tie rule, which zeroes this "
-    "output (NOTES v22)"))], ids=["in-registers", "split"])
+@pytest.mark.parametrize("chunk", [None, 4], ids=["in-registers", "split"])
 def test_an_entry_just_above_tau_stays_in_the_support(chunk):
     x = torch.tensor([ROW_JUST_ABOVE_TAU] * 3, device=DEVICE)  # a tile of several rows
     y = forward(x, chunk=chunk)
@@ -263,18 +261,18 @@ def test_an_entry_just_above_tau_stays_in_the_support(chunk):
     assert torch.equal(y, forward(x[:1].clone(), chunk=chunk).expand(3, -1))
 
 
-@pytest.mark.parametrize("n", [100, 1000, 4096])
-def test_a_tiny_row_among_others(n):
-    """The row above, padded with entries outside its support, between randn rows of a tile:
-    its outputs are computed again in fp64, the other rows keep theirs."""
+@pytest.mark.parametrize("n, chunk", [(100, None), (1000, None), (4096, None), (1000, 256)])
+def test_a_tiny_row_among_others(n, chunk):
+    """The row above, padded with entries outside its support, between randn rows of a tile
+    (or split rows): its outputs are computed again in fp64, the other rows keep theirs."""
     x = make("randn", 5, n, seed=n)
     row = torch.full((n,), -3.0, device=DEVICE)
     row[:8] = torch.tensor(ROW_JUST_ABOVE_TAU, device=DEVICE)
     x[2] = row
-    y = forward(x)
+    y = forward(x, chunk=chunk)
     assert y[2, 6] == 2.0**-24, y[2, :8]
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
-    assert torch.equal(y[[0, 1, 3, 4]], forward(x[[0, 1, 3, 4]]))
+    assert torch.equal(y[[0, 1, 3, 4]], forward(x[[0, 1, 3, 4]], chunk=chunk))
 
 
 def test_backward_strided_grad():

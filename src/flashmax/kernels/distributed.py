@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache
+from ..reference import ZERO_BELOW
 from .sparsemax import (PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP,
-                        SplitBackward, SplitRows, _rows, _wide)
+                        STATE_ZERO_BELOW, SplitBackward, SplitRows, _rows, _wide)
 
 
 STEP_ROWS = 256  # rows per program of the step's update
@@ -154,7 +155,10 @@ class TritonShard:
     def write(self, row_max: torch.Tensor, pivot: torch.Tensor, step: torch.Tensor):
         if self.split is not None:
             state = self.split.part.new_empty((self.n_rows, STATE_SIZE.value))
-            for field, value in ((STATE_MAX, row_max), (STATE_PIVOT, pivot), (STATE_STEP, step)):
+            # Ties by the rule: a tiny row's fp64 step would need every rank's candidates.
+            zero_below = (pivot + step).abs() * ZERO_BELOW[state.dtype]
+            for field, value in ((STATE_MAX, row_max), (STATE_PIVOT, pivot), (STATE_STEP, step),
+                                 (STATE_ZERO_BELOW, zero_below)):
                 state[:, field.value] = value
             self.split.write(state)
         return self.y

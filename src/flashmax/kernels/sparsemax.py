@@ -59,12 +59,15 @@ PREFETCH_WARPS_PER_SM = 8
 # are numbered row * n_splits + split.
 PART_SIZE = tl.constexpr(3)
 PART_MAX, PART_BOUND, PART_COUNT = (tl.constexpr(i) for i in range(3))
-STATE_SIZE = tl.constexpr(3)
-STATE_MAX, STATE_PIVOT, STATE_STEP = (tl.constexpr(i) for i in range(3))
+STATE_SIZE = tl.constexpr(4)
+STATE_MAX, STATE_PIVOT, STATE_STEP, STATE_ZERO_BELOW = (tl.constexpr(i) for i in range(4))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
 # A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
 # are ties with tau (`reference.EXACT_ZERO_BELOW`).
 EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
+# The split row pass's fp64 step for a tiny row starts this much of |tau| below it: within the
+# chunks' candidate margin (CANDIDATE_MARGIN), above which every entry is a candidate.
+EXACT_LOWER = tl.constexpr(2.0**-21)
 # Split rows are cut into chunks of (entries, warps) (fp64: half the entries): at most half the
 # registers of a whole row, as the first pass keeps its candidates' slots and offsets live too.
 # Measured on an H200 (benchmarks/NOTES.md, v10): from SPLIT_MANY_ROWS rows on, smaller
@@ -234,6 +237,14 @@ def _above_tau(z, pivot, step):
 
 
 @triton.jit
+def _outputs_within(z, pivot, step, bad, zero_below):
+    """max(z - tau, 0) with tau = pivot + step and outputs at most zero_below [rows] 0 too (ties
+    with tau); a bad row's outputs NaN."""
+    y = _above_tau(z, pivot, tl.where(bad, float("nan"), step))
+    return tl.where(y <= zero_below[:, None, None], 0.0, y)
+
+
+@triton.jit
 def _zero_at_tau(y, tau):
     """y = z - tau with the entries within rounding of tau (and below) 0; NaN stays NaN."""
     return tl.where(y <= _zero_below(tau)[:, None, None], 0.0, y)
@@ -270,12 +281,12 @@ def _exact_outputs(z, pivot, step, tiny, tied):
 
 
 @triton.jit
-def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr, EXACT: tl.constexpr):
+def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
     """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tiny` (`_tiny`) or
     its last step negative (which may leave entries at the pivot just above 0), outputs within
     rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
-    exact arithmetic. Other tiles skip that test per entry. With EXACT (whole rows in the tile,
-    fp32), a tiny row's outputs are computed again in fp64 instead (`_exact_outputs`): fp32's
+    exact arithmetic. Other tiles skip that test per entry. In fp32, a tiny row's outputs are
+    computed again in fp64 instead (`_exact_outputs`): fp32's
     rounding alone cannot tell a tie from a true output of a few ulps of tau. (A negative last
     step is common, ~20% of randn rows, and its entries at the pivot rare: those rows keep the
     rule, which costs a compare per entry where fp64 would cost a pass.)
@@ -288,7 +299,7 @@ def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr, EXACT:
     # A bad row's step is NaN: the NaN-propagating maximum, and `y <= tol` (false), keep it.
     step = tl.where(bad, float("nan"), step)
     tied = tiny | (step < 0)
-    exact: tl.constexpr = EXACT and z.dtype == tl.float32
+    exact: tl.constexpr = z.dtype == tl.float32
     if z.shape[1] * z.shape[2] < SHORT_ROW:
         # Short rows, many a tile, spread over the warps: whether any is tied would take a
         # reduction across warps (3 barriers a tile at 8-64 entries, triton 3.6); a per-row
@@ -387,7 +398,7 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
     return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
-                           PREFETCHING, True)
+                           PREFETCHING)
 
 
 @triton.jit
@@ -642,6 +653,7 @@ def sparsemax_split_threshold_kernel(
     pivot = tau
     step = tl.zeros_like(tau)
     centre = tl.zeros_like(tau)
+    smallest = tl.full(tau.shape, float("inf"), compute)
     done = _is_bad(row_max)
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
@@ -652,10 +664,26 @@ def sparsemax_split_threshold_kernel(
         pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
                                                    done)
         pending = tl.sum((~done).to(tl.int32), axis=0)
+    zero_below = _zero_below(pivot + step)
+    if compute == tl.float32:
+        if tl.sum(_tiny(pivot, step, smallest).to(tl.int32), axis=0) > 0:
+            # As `_exact_outputs` does in registers: one fp64 Newton step, over the candidates,
+            # from just below tau; ties at EXACT_ZERO_BELOW of it.
+            tau64 = pivot.to(tl.float64) + step.to(tl.float64)
+            lower = tau64 - tl.abs(tau64) * EXACT_LOWER
+            total, count, _ = _candidate_sums(
+                X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
+                x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max.to(tl.float64),
+                lower, tl.zeros_like(lower), CHUNK, SPLITS, WIDTH, WIDE)
+            exact = lower + (total - 1.0) / count
+            pivot = exact.to(tl.float32)
+            step = (exact - pivot.to(tl.float64)).to(tl.float32)
+            zero_below = (tl.abs(exact) * EXACT_ZERO_BELOW).to(tl.float32)
     state = STATE + row * STATE_SIZE
     tl.store(state + STATE_MAX, tl.reshape(row_max, []))
     tl.store(state + STATE_PIVOT, tl.reshape(pivot, []))
     tl.store(state + STATE_STEP, tl.reshape(step, []))
+    tl.store(state + STATE_ZERO_BELOW, tl.reshape(zero_below, []))
 
 
 @triton.jit
@@ -709,9 +737,8 @@ def sparsemax_split_write_kernel(
     row_max = tl.load(state + STATE_MAX + tl.arange(0, 1))
     pivot = tl.load(state + STATE_PIVOT + tl.arange(0, 1))
     step = tl.load(state + STATE_STEP + tl.arange(0, 1))
+    zero_below = tl.load(state + STATE_ZERO_BELOW + tl.arange(0, 1))
     bad = _is_bad(row_max)
-    # The row's last Newton step is not at hand here: every row takes the test for ties.
-    every_row = tl.full(bad.shape, True, tl.int1)
     split = pid % n_splits
     count, stored = _chunk_extent(PART, row, split, n_splits, n, CHUNK)[1:]
     if stored & (count <= SPARSE):
@@ -731,7 +758,7 @@ def sparsemax_split_write_kernel(
         tl.store(Y + y_off, zero.to(Y.dtype.element_ty), mask=mask)
         tl.debug_barrier()
         cand_z = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
-        cand_y = _sparsemax_tile(cand_z, pivot, step, bad, every_row, False, False)
+        cand_y = _outputs_within(cand_z, pivot, step, bad, zero_below)
         cand_y = tl.reshape(cand_y, [SPARSE])
         tl.store(Y + _entry_offsets(row, split * CHUNK + index, inner, y_stride_outer,
                                     y_stride_inner, y_stride_n, WIDE),
@@ -743,7 +770,7 @@ def sparsemax_split_write_kernel(
                              y_stride_n, CHUNK, GROUP, WIDE)[1]
         x = tl.load(X + x_off, mask=mask, other=-float("inf"))
         z = x.to(row_max.dtype) - row_max[:, None, None]
-        tl.store(Y + y_off, _sparsemax_tile(z, pivot, step, bad, every_row, False, False).to(
+        tl.store(Y + y_off, _outputs_within(z, pivot, step, bad, zero_below).to(
             Y.dtype.element_ty), mask=mask)
 
 
@@ -994,7 +1021,8 @@ class SplitRows:
             *self.strides, **self.tile, **self.bounds_options)
 
     def threshold(self) -> torch.Tensor:
-        """Pass 2: STATE [rows, STATE_SIZE], each row's max and exact (pivot, step)."""
+        """Pass 2: STATE [rows, STATE_SIZE], each row's max, exact (pivot, step) and the
+        outputs at most which are ties."""
         state = self.part.new_empty((self.n_rows, STATE_SIZE.value))
         sparsemax_split_threshold_kernel[(self.n_rows,)](
             self.x, self.y, self.part, state, self.n_splits, self.n, self.inner, *self.strides,
