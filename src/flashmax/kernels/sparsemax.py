@@ -286,10 +286,10 @@ def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
     its last step negative (which may leave entries at the pivot just above 0), outputs within
     rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
     exact arithmetic. Other tiles skip that test per entry. In fp32, a tiny row's outputs are
-    computed again in fp64 instead (`_exact_outputs`): fp32's
-    rounding alone cannot tell a tie from a true output of a few ulps of tau. (A negative last
-    step is common, ~20% of randn rows, and its entries at the pivot rare: those rows keep the
-    rule, which costs a compare per entry where fp64 would cost a pass.)
+    computed again in fp64 instead (`_exact_outputs`): fp32's rounding alone cannot tell a tie
+    from a true output of a few ulps of tau. (A negative last step is common, ~20% of randn
+    rows, and its entries at the pivot rare: those rows keep the rule, which costs a compare
+    per entry where fp64 would cost a pass.)
 
     Two shapes of the same code, measured on an H200 (NOTES, v16): without a prefetched tile,
     each branch makes its outputs from z (one tile live: no spills at 16384 and 32768 entries,
