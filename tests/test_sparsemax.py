@@ -544,6 +544,8 @@ def test_an_entry_just_above_tau_stays_in_the_support():
     (dx,) = torch.autograd.grad(y, x, g)
     assert torch.allclose(dx.double(), support_gradient(x.detach(), g), rtol=0, atol=1e-6)
 
+
+def test_backward_with_broadcast_grad():
     """y.sum().backward() hands in an expanded (stride 0) gradient: dx must be exactly 0."""
     x = torch.randn(5, 8, requires_grad=True)
     sparsemax(x, 1).sum().backward()
