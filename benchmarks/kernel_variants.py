@@ -211,8 +211,8 @@ def main():
         shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     if args.end_to_end_only:
         shapes = []
-    baselines = {os.path.splitext(os.path.basename(path))[0]: load_module(path)
-                 for path in args.baseline}
+    baselines = {module.__name__.rsplit(".", 1)[1]: module
+                 for module in map(load_module, args.baseline)}
     module, forward_name, backward_name, oracle = OPS[args.op]
     records = []
     for rows, n in shapes:
