@@ -275,6 +275,21 @@ def test_a_tiny_row_among_others(n, chunk):
     assert torch.equal(y[[0, 1, 3, 4]], forward(x[[0, 1, 3, 4]], chunk=chunk))
 
 
+@pytest.mark.parametrize("group", [None, 8])
+def test_two_support_entries_in_one_group(group):
+    """A row whose support is two entries of one group (columns w and w + k * n / GROUP): the
+    group maxima's tau leaves the second out, so the full-row steps must run; the randn rows
+    beside it (same tile) take the group maxima's tau."""
+    n = 1024
+    x = make("randn", 4, n, seed=21)
+    x[1] = x[1] * 0.01 - 5.0
+    x[1, 5] = 1.0
+    x[1, 5 + 3 * n // 8] = 0.875
+    y = forward(x, group=group)
+    assert y[1, 5] == 0.5625 and y[1, 5 + 3 * n // 8] == 0.4375, y[1, [5, 5 + 3 * n // 8]]
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+
+
 def test_backward_strided_grad():
     x = make("randn", 3 * 4, 50, seed=11).reshape(3, 4, 50).transpose(0, 2)  # dim 0
     y = forward(x, 0)
