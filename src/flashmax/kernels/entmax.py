@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache
-from .sparsemax import (_add_add, _group_top2, _is_bad, _load_y_g, _map_rows,
-                        _nan_max, _row_max, _row_offsets, _rows, _store_rows, _strided, _tile_max,
-                        _tile_threshold, _wide, group_size, kept_launch, launch_config,
-                        launch_gradient_rows, launch_rows, max_block_n)
+from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _map_rows, _nan_max,
+                        _row_offsets, _rows, _store_rows, _strided, _tile_max, _tile_threshold,
+                        _wide, group_size, kept_launch, launch_config, launch_gradient_rows,
+                        launch_rows, max_block_n)
 
 # Widths whose forward prefetches (`rows_launch`): sparsemax's and 1024, where entmax-1.5's
 # heavier arithmetic gains 8-14% from one row a program over 8 programs a SM (NOTES, v12).
@@ -329,8 +329,7 @@ def loss_kernel(
         t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
         p = t * t
     else:
-        group_z, group_second = _group_top2(z)
-        pivot, step, _ = _tile_threshold(z, group_z, _row_max(group_second), GROUP)
+        pivot, step, _ = _tile_threshold(z, _group_max(z), GROUP)
         p = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     target = tl.load(T + rows, mask=rows < n_rows, other=ignore_index)

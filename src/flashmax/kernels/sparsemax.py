@@ -151,7 +151,7 @@ def _newton_update(total, count, smallest, pivot, step, centre, done):
 def _newton_threshold(z, tau, FEW: tl.constexpr = 0):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
     allowed) from lower bounds tau [BLOCK_M], and the smallest z - pivot of the last step's
-    support (so the smallest positive output is that minus step).
+    support (so the smallest positive output is that minus step) and its size.
 
     With FEW > 0 a row stops as soon as at most FEW entries lie above its pivot + step: every
     Newton iterate from below is a lower bound on the threshold, and one that leaves few
@@ -161,41 +161,48 @@ def _newton_threshold(z, tau, FEW: tl.constexpr = 0):
     step = tl.zeros_like(tau)
     centre = tl.zeros_like(tau)
     smallest = tl.full(tau.shape, float("inf"), tau.dtype)
+    size = tl.zeros_like(tau)
     done = tau != tau
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
         total, count, step_smallest = _step_sums(z, pivot + step, centre)
         smallest = tl.where(done, smallest, step_smallest)
+        size = tl.where(done, size, count)
         pivot, step, centre, done = _newton_update(total, count, step_smallest, pivot, step,
                                                    centre, done)
         if FEW > 0:
             done = done | (count <= FEW)
         pending = tl.sum((~done).to(tl.int32), axis=0)
-    return pivot, step, smallest
+    return pivot, step, smallest, size
 
 
 @triton.jit
-def _tile_threshold(z, group_z, second_z, GROUP: tl.constexpr):
+def _tile_threshold(z, group_z, GROUP: tl.constexpr):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0,
     starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH], and the smallest
     entry of the last step's support (`_newton_threshold`).
 
-    second_z [BLOCK_M] is each row's largest entry that is not its group's maximum
-    (`_group_top2`). When it lies clearly below the group maxima's tau, so does every entry
-    outside the group maxima: the row's support is theirs, and so is its tau. Only rows with
-    two support entries in one group (randn: a few percent at GROUP = 8; uniform rows: most)
-    take the full-row steps, each ~9 instructions an entry.
+    When that tau leaves few group maxima above it (at most sqrt(WIDTH): then two of them
+    share a group, leaving one out, in less than ~40% of rows), one count over the row says
+    whether any other entry lies above it too; if none does, the row's support is theirs and
+    so is its tau. A count is ~2 instructions an entry, a full-row step ~9: randn rows (4-5
+    entries in their support) mostly take none, rows with many entries in theirs (uniform
+    values) skip the count.
     """
     tau = tl.full([z.shape[0]], -1.0, z.dtype)
     if GROUP > 1:
-        pivot, step, smallest = _newton_threshold(tl.expand_dims(group_z, 1), tau)
-        # Clearly below: an entry within rounding of tau is left to the full steps, which
-        # tell a tie from a tiny output (`_tiny`).
-        below = (second_z - pivot) - step < -_zero_below(pivot + step)
-        if tl.min(below.to(tl.int32), axis=0) == 0:
-            pivot, step, smallest = _newton_threshold(z, pivot + step)
+        pivot, step, smallest, size = _newton_threshold(tl.expand_dims(group_z, 1), tau)
+        found = tau != tau
+        if tl.max(size * size, axis=0) <= z.shape[2]:
+            # Entries within rounding of tau count too, and send the row to the full steps,
+            # which tell a tie from a tiny output (`_tiny`).
+            bound = (pivot + step) - 2.0 * _zero_below(pivot + step)
+            above = tl.sum(tl.sum((z > bound[:, None, None]).to(z.dtype), axis=1), axis=1)
+            found = above == size
+        if tl.min(found.to(tl.int32), axis=0) == 0:
+            pivot, step, smallest, _ = _newton_threshold(z, pivot + step)
     else:
-        pivot, step, smallest = _newton_threshold(z, tau)
+        pivot, step, smallest, _ = _newton_threshold(z, tau)
     return pivot, step, smallest
 
 
@@ -209,19 +216,6 @@ def _group_max(x):
     """Maxima down axis 1 of a [BLOCK_M, GROUP, WIDTH] tile (inside each thread), NaN-propagating:
     the group maxima, and on the way to the row's maximum."""
     return tl.reduce(x, 1, _nan_max)
-
-
-@triton.jit
-def _max_pair(max_a, second_a, max_b, second_b):
-    return (_nan_max(max_a, max_b),
-            tl.maximum(tl.maximum(second_a, second_b), tl.minimum(max_a, max_b)))
-
-
-@triton.jit
-def _group_top2(x):
-    """`_group_max`, and each group's second-largest entry (a tied maximum counts twice): two
-    more instructions an entry, on the way."""
-    return tl.reduce((x, tl.full(x.shape, -float("inf"), x.dtype)), 1, _max_pair)
 
 
 @triton.jit
@@ -419,11 +413,10 @@ def _store_rows(Y, tile, block, n_rows, n, inner, stride_outer, stride_inner, st
 def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype, while the
     program holds the next tile (PREFETCHING) or not."""
-    group_max, group_second = _group_top2(x)
+    group_max = _group_max(x)
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
-    pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None],
-                                            _row_max(group_second) - row_max, GROUP)
+    pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
     return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
                            PREFETCHING)
 
@@ -555,8 +548,8 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner,
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
     group_max = _group_max(x)
     chunk_max = _row_max(group_max)
-    pivot, step, _ = _newton_threshold(tl.expand_dims(group_max - chunk_max[:, None], 1),
-                                       tl.full([1], -1.0, x.dtype), BOUND_GROUPS)
+    pivot, step, _, _ = _newton_threshold(tl.expand_dims(group_max - chunk_max[:, None], 1),
+                                          tl.full([1], -1.0, x.dtype), BOUND_GROUPS)
     bound = pivot + step
     # A margin of a few ulps: the later passes compare in the row's coordinates, rounded
     # differently, and must never find a support entry that is not a candidate.
