@@ -379,6 +379,19 @@ def test_kernel_long_rows(kernels):
     check_against_oracle(kernel_forward(kernels, x, chunk=1024), x, -1)
 
 
+@pytest.mark.parametrize("n", [1024, 2048])
+def test_kernel_two_support_entries_in_one_group(kernels, n):
+    """As sparsemax's: a support of two entries of one group (columns w and w + 3n/8 at
+    GROUP = 8) among randn rows, which take the group maxima's tau (2048: one row a tile)."""
+    x = make_input((4, n), -1, torch.float32, seed=24).to(DEVICE)
+    x[1] = x[1] * 0.01 - 5.0
+    x[1, 5] = 1.0
+    x[1, 5 + 3 * n // 8] = 0.875
+    y = kernel_forward(kernels, x)
+    assert float(y[1, 5 + 3 * n // 8]) > 0.4, y[1, [5, 5 + 3 * n // 8]]
+    check_against_oracle(y, x, -1)
+
+
 # Long rows, most with large supports of nearly tied entries: Newton's fp32 sums stay exact only
 # centred (`kernels.entmax._entmax_sums`), and the interpreter sums in sequence, the worst order.
 HARD_ROWS = [("near_max", 0.0, 0.0, 0.0), ("near_max", 1e4, 0.0, 0.0), ("ties", 0.01, 0.0, 0.0),

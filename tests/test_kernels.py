@@ -275,12 +275,11 @@ def test_a_tiny_row_among_others(n, chunk):
     assert torch.equal(y[[0, 1, 3, 4]], forward(x[[0, 1, 3, 4]], chunk=chunk))
 
 
-@pytest.mark.parametrize("group", [None, 8])
-def test_two_support_entries_in_one_group(group):
+@pytest.mark.parametrize("n, group", [(1024, None), (2048, None), (2048, 8)])
+def test_two_support_entries_in_one_group(n, group):
     """A row whose support is two entries of one group (columns w and w + k * n / GROUP): the
     group maxima's tau leaves the second out, so the full-row steps must run; the randn rows
-    beside it (same tile) take the group maxima's tau."""
-    n = 1024
+    around it (2048: one a tile) take the group maxima's tau, confirmed by a count."""
     x = make("randn", 4, n, seed=21)
     x[1] = x[1] * 0.01 - 5.0
     x[1, 5] = 1.0

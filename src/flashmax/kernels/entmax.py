@@ -22,9 +22,9 @@ import triton.language as tl
 
 from .launch import LaunchCache
 from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _map_rows, _nan_max,
-                        _row_offsets, _rows, _store_rows, _strided, _tile_max, _tile_threshold,
-                        _wide, group_size, kept_launch, launch_config, launch_gradient_rows,
-                        launch_rows, max_block_n)
+                        _row_offsets, _rows, _store_rows, _strided, _support_found, _tile_max,
+                        _tile_threshold, _wide, group_size, kept_launch, launch_config,
+                        launch_gradient_rows, launch_rows, max_block_n)
 
 # Widths whose forward prefetches (`rows_launch`): sparsemax's and 1024, where entmax-1.5's
 # heavier arithmetic gains 8-14% from one row a program over 8 programs a SM (NOTES, v12).
@@ -107,19 +107,22 @@ def _pending(done, steps):
 @triton.jit
 def _entmax_threshold(z, tau, centre):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
-    allowed) from lower bounds tau [BLOCK_M], and the last step's centre (`_entmax_sums`)."""
+    allowed) from lower bounds tau [BLOCK_M], the last step's centre (`_entmax_sums`) and the
+    size of its support (-1 in a row stopped by MAX_STEPS)."""
     pivot = tau
     step = tl.zeros_like(tau)
+    size = tl.zeros_like(tau)
     done = tau != tau
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
         s1, s2, count, smallest = _entmax_sums(z, pivot + step, centre)
+        size = tl.where(done, size, count)
         pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step, centre,
                                                    done)
         steps += 1
         pending = _pending(done, steps)
-    return pivot, step, centre
+    return pivot, step, centre, tl.where(done, size, -1.0)
 
 
 @triton.jit
@@ -130,14 +133,18 @@ def _entmax_tile_threshold(z, GROUP: tl.constexpr):
     The row's first step is centred on the group maxima's count: at their tau their squares
     average 1 / that count, and so do the row's when its support is about theirs (few large
     entries share a group) or when the row is nearly tied, so that this step can be final
-    (MAX_DRIFT)."""
+    (MAX_DRIFT). When no other entry lies above the group maxima's tau, it is the row's: the
+    full-row steps are skipped (`_support_found`, as sparsemax's `_tile_threshold`)."""
     tau = tl.full([z.shape[0]], -1.0, z.dtype)
     centre = tl.zeros_like(tau)
     if GROUP > 1:
-        pivot, step, centre = _entmax_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau,
-                                                centre)
-        tau = pivot + step
-    return _entmax_threshold(z, tau, centre)
+        pivot, step, centre, size = _entmax_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau,
+                                                      centre)
+        if tl.min(_support_found(z, pivot, step, size).to(tl.int32), axis=0) == 0:
+            pivot, step, centre, _ = _entmax_threshold(z, pivot + step, centre)
+    else:
+        pivot, step, centre, _ = _entmax_threshold(z, tau, centre)
+    return pivot, step, centre
 
 
 @triton.jit
