@@ -179,16 +179,15 @@ def _newton_threshold(z, tau, FEW: tl.constexpr = 0):
 @triton.jit
 def _support_found(z, pivot, step, size):
     """Whether each row's support is the `size` entries of its group maxima above tau = pivot
-    + step (their exact threshold), judged in a tile of one row with few of them (at most
-    sqrt(WIDTH)) by one count of the row's entries above tau; else False (`_tile_threshold`)."""
+    + step (their exact threshold), judged when they are few (at most sqrt(WIDTH)) by one
+    count of the row's entries above tau; else False (`_tile_threshold`)."""
     found = pivot != pivot
-    if z.shape[0] == 1:
-        if tl.max(size * size, axis=0) <= z.shape[2]:
-            # Entries within rounding of tau count too, and send the row to the full steps,
-            # which tell a tie from a tiny output (`_tiny`).
-            bound = (pivot + step) - 2.0 * _zero_below(pivot + step)
-            above = tl.sum(tl.sum((z > bound[:, None, None]).to(z.dtype), axis=1), axis=1)
-            found = above == size
+    if tl.max(size * size, axis=0) <= z.shape[2]:
+        # Entries within rounding of tau count too, and send the row to the full steps, which
+        # tell a tie from a tiny output (`_tiny`).
+        bound = (pivot + step) - 2.0 * _zero_below(pivot + step)
+        above = tl.sum(tl.sum((z > bound[:, None, None]).to(z.dtype), axis=1), axis=1)
+        found = above == size
     return found
 
 
@@ -205,12 +204,16 @@ def _tile_threshold(z, group_z, GROUP: tl.constexpr):
     step ~9: randn rows (4-5 entries in their support) mostly take none, rows with many
     entries in theirs (uniform values) skip the count. Measured on an H200 (NOTES, v28): 6-14%
     faster on randn rows from 16384 fp32 and 4096 bf16, 0-3% slower on uniform rows; tiles of
-    several rows (up to 1024 entries) lost 4% on randn and 10% on uniform rows at 256 entries.
+    several rows (up to 1024 entries) lost 4% on randn and 10% on uniform rows at 256 entries,
+    so they keep the full steps.
     """
     tau = tl.full([z.shape[0]], -1.0, z.dtype)
     if GROUP > 1:
         pivot, step, smallest, size = _newton_threshold(tl.expand_dims(group_z, 1), tau)
-        if tl.min(_support_found(z, pivot, step, size).to(tl.int32), axis=0) == 0:
+        if z.shape[0] == 1:
+            if tl.min(_support_found(z, pivot, step, size).to(tl.int32), axis=0) == 0:
+                pivot, step, smallest, _ = _newton_threshold(z, pivot + step)
+        else:
             pivot, step, smallest, _ = _newton_threshold(z, pivot + step)
     else:
         pivot, step, smallest, _ = _newton_threshold(z, tau)
