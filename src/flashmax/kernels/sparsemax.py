@@ -202,7 +202,7 @@ def _tile_threshold(z, group_z, GROUP: tl.constexpr):
     one count over the row says whether any other entry lies above it too; if none does, the
     row's support is theirs and so is its tau. A count is ~2 instructions an entry, a full-row
     step ~9: randn rows (4-5 entries in their support) mostly take none, rows with many
-    entries in theirs (uniform values) skip the count. Measured on an H200 (NOTES, v28): 6-14%
+    entries in theirs (uniform values) skip the count. Measured on an H200 (NOTES, v28): 6-16%
     faster on randn rows from 16384 fp32 and 4096 bf16, 0-3% slower on uniform rows; tiles of
     several rows (up to 1024 entries) lost 4% on randn and 10% on uniform rows at 256 entries,
     so they keep the full steps.
