@@ -181,7 +181,7 @@ def _support_found(z, pivot, step, size):
     """Whether each row's support is the `size` entries of its group maxima above tau = pivot
     + step (their exact threshold), judged when they are few (at most sqrt(WIDTH)) by one
     count of the row's entries above tau; else False (`_tile_threshold`)."""
-    found = pivot != pivot
+    found = tl.zeros_like(size) != 0.0
     if tl.max(size * size, axis=0) <= z.shape[2]:
         # Entries within rounding of tau count too, and send the row to the full steps, which
         # tell a tie from a tiny output (`_tiny`).
