@@ -139,12 +139,20 @@ def test_prefetching_programs_walk_every_block(block_m, dist):
     assert torch.equal(y, forward(x, block_m=block_m, programs_per_sm=0))
 
 
-def test_prefetch_heuristic():
+def test_launch_heuristic():
+    # Sparsemax's forward never prefetches; entmax-1.5's does at its PREFETCH_ROWS widths. Rows
+    # of 2048 to 8192 entries take one warp per 2048 of them, longer ones one per 4096.
+    from flashmax.kernels import entmax
+
     x = make("randn", 2, 8, seed=21)
     sms = kernels._multiprocessors(torch.device(DEVICE))
-    for n, prefetch in [(1024, False), (2048, True), (8192, True), (16384, False)]:
-        programs, _, _, warps, fetches = kernels.rows_launch(x, 64 * sms, n, newton=True)
-        assert fetches == prefetch
+    for n, prefetch, want_warps in [(512, False, 1), (1024, True, 1), (2048, True, 1),
+                                    (4096, False, 2), (8192, False, 4), (16384, False, 4),
+                                    (32768, False, 8)]:
+        assert not kernels.rows_launch(x, 64 * sms, n, newton=True)[4]
+        programs, _, _, warps, fetches = kernels.rows_launch(x, 64 * sms, n,
+                                                             prefetch_rows=entmax.PREFETCH_ROWS)
+        assert fetches == prefetch and warps == want_warps, (n, fetches, warps)
         if prefetch:
             assert programs * warps == kernels.PREFETCH_WARPS_PER_SM * sms
 

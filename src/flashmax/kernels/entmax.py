@@ -26,9 +26,11 @@ from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _map_rows, _na
                         _tile_threshold, _wide, group_size, kept_launch, launch_config,
                         launch_gradient_rows, launch_rows, max_block_n)
 
-# Widths whose forward prefetches (`rows_launch`): sparsemax's and 1024, where entmax-1.5's
-# heavier arithmetic gains 8-14% from one row a program over 8 programs a SM (NOTES, v12).
-PREFETCH_ROWS = (1024, 8192)
+# Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
+# faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
+# 8192 one row a program without prefetching is 4-16% faster (with the group maxima's count,
+# which prefetching programs skip: `_entmax_tile_threshold`).
+PREFETCH_ROWS = (1024, 2048)
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
 # A closed form is final only from sums that drifted little: |sum(d^2 - centre)| sqrt(count) at
@@ -137,7 +139,7 @@ def _entmax_tile_threshold(z, GROUP: tl.constexpr, CONFIRM: tl.constexpr):
     other entry lies above the group maxima's tau (`_support_found`, as sparsemax's
     `_tile_threshold`). Measured on an H200 (NOTES, v28): 9-11% faster on randn rows at 16384
     and 32768 entries, fp32 and bf16; 3-5% in fp32 from 2048 to 8192 but 5-17% slower in bf16
-    there, where the program holds the next row too, so those rows keep the full steps."""
+    where the program holds the next row too, so prefetching programs keep the full steps."""
     tau = tl.full([z.shape[0]], -1.0, z.dtype)
     centre = tl.zeros_like(tau)
     if GROUP > 1:

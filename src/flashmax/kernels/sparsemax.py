@@ -46,13 +46,17 @@ ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer
 # H200 (benchmarks/NOTES.md, v8): faster below 256 entries, slower at 256.
 SHORT_ROW = tl.constexpr(256)
 SHORT_ROW_ENTRIES_PER_THREAD = 16
-# Rows of PREFETCH_ROWS entries fit a program's registers twice at 64 entries a thread, so each
-# program can walk several blocks and load the next before searching this one's threshold;
-# at ~255 registers a thread, PREFETCH_WARPS_PER_SM warps fill a multiprocessor's register file.
-# Measured on an H200 (benchmarks/NOTES.md, v12): 8-14% faster from 2048 to 8192 entries, mixed
-# at 1024 (one row a program instead of two) and 16384, and 32768 spills.
-PREFETCH_ROWS = (2048, 8192)
-PREFETCH_ENTRIES_PER_THREAD = 64
+# A forward holds rows of up to ONE_ROW_WIDEST entries one a program at ONE_ROW_ENTRIES_PER_THREAD
+# (1 warp at 2048 entries, 4 at 8192): measured on an H200 (benchmarks/NOTES.md, v30), 8192 over 4
+# warps (152 registers) beat 2 (255, spilling) by 2-5% in fp32 and 0-6% in bf16; longer rows
+# take ELEMENTS_PER_THREAD (16384 over 8 warps lost 26-44%).
+ONE_ROW_WIDEST = 8192
+ONE_ROW_ENTRIES_PER_THREAD = 64
+# A forward may instead walk several rows a program and load the next before searching this
+# one's threshold, for widths in its `prefetch_rows` (entmax-1.5's); at ~255 registers a thread,
+# PREFETCH_WARPS_PER_SM warps fill a multiprocessor's register file. Sparsemax no longer does:
+# since its steps got fewer (v28), one row a program with more programs a SM was 7-14% faster
+# from 4096 to 8192 entries in fp32, 0-7% in bf16 (NOTES, v30).
 PREFETCH_WARPS_PER_SM = 8
 # Rows longer than one program's registers are split over programs, one chunk each, that
 # communicate through a small scratch: per chunk PART_SIZE values, per row STATE_SIZE. Programs
@@ -315,7 +319,7 @@ def _exact_outputs(z, pivot, step, tiny, tied):
 
 
 @triton.jit
-def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
+def _sparsemax_tile(z, pivot, step, bad, tiny):
     """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tiny` (`_tiny`) or
     its last step negative (which may leave entries at the pivot just above 0), outputs within
     rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
@@ -325,10 +329,9 @@ def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
     rows, and its entries at the pivot rare: those rows keep the rule, which costs a compare
     per entry where fp64 would cost a pass.)
 
-    Two shapes of the same code, measured on an H200 (NOTES, v16): without a prefetched tile,
-    each branch makes its outputs from z (one tile live: no spills at 16384 and 32768 entries,
-    7-11% faster there on randn rows); with one (PREFETCHING), z - tau is made once before the
-    branch (the other shape lost 8-12% there in bf16: the prefetch no longer overlapped).
+    Each branch makes its outputs from z, so that one tile is live (NOTES, v16: no spills at
+    16384 and 32768 entries, 7-11% faster there on randn rows than making z - tau once before
+    the branch).
     """
     # A bad row's step is NaN: the NaN-propagating maximum, and `y <= tol` (false), keep it.
     step = tl.where(bad, float("nan"), step)
@@ -350,22 +353,13 @@ def _sparsemax_tile(z, pivot, step, bad, tiny, PREFETCHING: tl.constexpr):
     worst = tl.max(tied.to(tl.int32) + tiny.to(tl.int32), axis=0)
     any_tied = worst > 0
     any_tiny = worst > 1
-    if PREFETCHING:
-        y = _above_tau(z, pivot, step)
-        out = tl.maximum(y, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        if any_tied:
-            if exact and any_tiny:
-                out = _exact_outputs(z, pivot, step, tiny, tied)
-            else:
-                out = _zero_at_tau(y, pivot + step)
-    else:
-        if any_tied:
-            if exact and any_tiny:
-                out = _exact_outputs(z, pivot, step, tiny, tied)
-            else:
-                out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
+    if any_tied:
+        if exact and any_tiny:
+            out = _exact_outputs(z, pivot, step, tiny, tied)
         else:
-            out = tl.maximum(_above_tau(z, pivot, step), 0.0, propagate_nan=tl.PropagateNan.ALL)
+            out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
+    else:
+        out = tl.maximum(_above_tau(z, pivot, step), 0.0, propagate_nan=tl.PropagateNan.ALL)
     return out
 
 
@@ -425,14 +419,13 @@ def _store_rows(Y, tile, block, n_rows, n, inner, stride_outer, stride_inner, st
 
 @triton.jit
 def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
-    """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype, while the
-    program holds the next tile (PREFETCHING) or not."""
+    """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype; the same
+    code whether the program holds the next tile (PREFETCHING, `_map_rows`) or not."""
     group_max = _group_max(x)
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
-    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
-                           PREFETCHING)
+    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest))
 
 
 @triton.jit
@@ -1106,19 +1099,21 @@ def walking_programs(blocks: int, programs_per_sm, device: torch.device) -> int:
 
 
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
-                newton=False, prefetch_rows=PREFETCH_ROWS):
+                newton=False, prefetch_rows=None):
     """(programs, BLOCK_M, BLOCK_N, num_warps, PREFETCH) of a `_map_rows` kernel over rows of x.
-    programs_per_sm: None for the heuristic (one row a program, prefetching, for widths in
-    prefetch_rows), 0 for one program per block, else that many programs per multiprocessor
-    (one multiprocessor off CUDA) walking the blocks."""
+    programs_per_sm: None for the heuristic (one row a program, prefetching, for widths from
+    prefetch_rows[0] to prefetch_rows[1]; None: never), 0 for one program per block, else that
+    many programs per multiprocessor (one multiprocessor off CUDA) walking the blocks."""
     block_n = _next_power_of_2(n)
+    prefetching = (programs_per_sm is None and block_m is None and prefetch_rows is not None
+                   and prefetch_rows[0] <= block_n <= prefetch_rows[1])
+    if prefetching:
+        block_m = 1
+    one_row = block_m == 1 or (block_m is None and block_n >= ELEMENTS_PER_PROGRAM)
+    if num_warps is None and one_row and block_n <= ONE_ROW_WIDEST:
+        num_warps = max(1, block_n // (32 * ONE_ROW_ENTRIES_PER_THREAD))
     if programs_per_sm is None:
-        programs_per_sm = 0
-        if block_m is None and prefetch_rows[0] <= block_n <= prefetch_rows[1]:
-            block_m = 1
-            if num_warps is None:
-                num_warps = max(1, block_n // (32 * PREFETCH_ENTRIES_PER_THREAD))
-            programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps)
+        programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps) if prefetching else 0
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton)
     blocks = -(-n_rows // block_m)
     programs = walking_programs(blocks, programs_per_sm, x.device)
@@ -1127,7 +1122,7 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
 
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
                 group=None, num_warps=None, block_m=None, programs_per_sm=None, newton=False,
-                prefetch_rows=PREFETCH_ROWS):
+                prefetch_rows=None):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices, kept under key."""
     programs, block_m, block_n, num_warps, prefetch = rows_launch(
         x, n_rows, n, num_warps, block_m, programs_per_sm, newton, prefetch_rows)
