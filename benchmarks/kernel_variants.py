@@ -74,14 +74,29 @@ FORWARD_VARIANTS = {
 }
 
 
+def default_forward_warps(module, rows, n, name):
+    """The warps that the forward launcher `name` of `module` picks for rows of n."""
+    newton = name == "sparsemax_forward"  # entmax-1.5's forward launches with newton=False
+    # entmax-1.5's modules launch through sparsemax's `rows_launch`; modules from before v12
+    # have none, and from before the forward's own warp heuristic no `newton` either.
+    rows_launch = getattr(module, "rows_launch", None)
+    if rows_launch is None and hasattr(module, "PREFETCH_ROWS"):
+        rows_launch = kernels.rows_launch
+    if rows_launch is not None:
+        x = torch.empty(0, device="cuda")
+        return rows_launch(x, rows, n, newton=newton,
+                           prefetch_rows=getattr(module, "PREFETCH_ROWS", None))[3]
+    try:
+        return module.launch_config(rows, n, newton=newton)[2]
+    except TypeError:
+        return module.launch_config(rows, n)[2]
+
+
 def forward_launcher(module, config, rows, n, name="sparsemax_forward"):
     """The forward of `module` (a kernels module) with a variant's overrides for rows of n."""
     config = dict(config)
     if "warps" in config:
-        try:
-            default_warps = module.launch_config(rows, n, newton=True)[2]
-        except TypeError:  # a baseline from before the forward had its own warp heuristic
-            default_warps = module.launch_config(rows, n)[2]
+        default_warps = default_forward_warps(module, rows, n, name)
         warps = default_warps * config.pop("warps")
         if not 1 <= warps <= 16:
             return None
