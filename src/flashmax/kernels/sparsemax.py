@@ -11,8 +11,9 @@ two. A row is loaded as a [GROUP, WIDTH] tile of GROUP contiguous chunks, so tha
 maxima (down the tile's columns) are a reduction inside each thread's registers.
 
 Every step is a chain of reductions whose latency, not the arithmetic, bounds short rows:
-the launch heuristics give each row as few warps as its registers allow (one warp up to 2048
-entries), so that most reductions are warp shuffles and many rows are in flight per SM.
+the launch heuristics give each row few warps (one up to 2048 entries, 64 entries a thread up
+to 8192, 128 beyond), so that most reductions are warp shuffles and many rows are in flight
+per SM.
 
 Rows longer than MAX_BLOCK_N are split into chunks, one program each, in three passes that
 meet through a few scalars per chunk in a small scratch. Pass 1 reads each chunk once: its max,
