@@ -1110,12 +1110,13 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
                    and prefetch_rows[0] <= block_n <= prefetch_rows[1])
     if prefetching:
         block_m = 1
-    one_row = block_m == 1 or (block_m is None and block_n >= ELEMENTS_PER_PROGRAM)
-    if num_warps is None and one_row and block_n <= ONE_ROW_WIDEST:
-        num_warps = max(1, block_n // (32 * ONE_ROW_ENTRIES_PER_THREAD))
+    block_m, block_n, default_warps = launch_config(n_rows, n, num_warps, block_m, newton)
+    if num_warps is None:
+        num_warps = default_warps
+        if block_m == 1 and block_n <= ONE_ROW_WIDEST:
+            num_warps = max(1, block_n // (32 * ONE_ROW_ENTRIES_PER_THREAD))
     if programs_per_sm is None:
         programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps) if prefetching else 0
-    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m, newton)
     blocks = -(-n_rows // block_m)
     programs = walking_programs(blocks, programs_per_sm, x.device)
     return programs, block_m, block_n, num_warps, programs < blocks
