@@ -54,8 +54,9 @@ def parse_value(text: str):
         return text
 
 
-def specialise(fn, dtype: str, consts: dict):
-    """(signature, constexprs, attrs) of a contiguous-rows launch of fn."""
+def specialise(fn, dtype: str, consts: dict, aligned_rows=True):
+    """(signature, constexprs, attrs) of a contiguous-rows launch of fn; without aligned_rows,
+    n and the outer strides are not known to be multiples of 16 (rows of 8 entries, say)."""
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(fn.params):
         name = param.name
@@ -70,7 +71,7 @@ def specialise(fn, dtype: str, consts: dict):
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"
-            if name == "n" or name.endswith("stride_outer"):
+            if aligned_rows and (name == "n" or name.endswith("stride_outer")):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs
 
@@ -106,11 +107,13 @@ def main():
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--const", nargs="*", default=[], metavar="NAME=VALUE")
     parser.add_argument("--out", help="keep kernel.ttgir, kernel.ptx and kernel.sass here")
+    parser.add_argument("--unaligned-rows", action="store_true",
+                        help="n and the outer strides not multiples of 16, as the JIT sees them")
     args = parser.parse_args()
     fn = find_kernel(args.kernel)
     consts = {name: parse_value(value) for name, value in
               (item.split("=", 1) for item in args.const)}
-    signature, constexprs, attrs = specialise(fn, args.dtype, consts)
+    signature, constexprs, attrs = specialise(fn, args.dtype, consts, not args.unaligned_rows)
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=args.warps))

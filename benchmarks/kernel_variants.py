@@ -74,29 +74,20 @@ FORWARD_VARIANTS = {
 }
 
 
-def default_forward_warps(module, rows, n, name):
-    """The warps that the forward launcher `name` of `module` picks for rows of n."""
-    newton = name == "sparsemax_forward"  # entmax-1.5's forward launches with newton=False
-    # entmax-1.5's modules launch through sparsemax's `rows_launch`; modules from before v12
-    # have none, and from before the forward's own warp heuristic no `newton` either.
-    rows_launch = getattr(module, "rows_launch", None)
-    if rows_launch is None and hasattr(module, "PREFETCH_ROWS"):
-        rows_launch = kernels.rows_launch
-    if rows_launch is not None:
-        x = torch.empty(0, device="cuda")
-        return rows_launch(x, rows, n, newton=newton,
-                           prefetch_rows=getattr(module, "PREFETCH_ROWS", None))[3]
-    try:
-        return module.launch_config(rows, n, newton=newton)[2]
-    except TypeError:
-        return module.launch_config(rows, n)[2]
+def default_forward_warps(module, rows, n, dtype):
+    """The warps that `module`'s forward (sparsemax's or entmax-1.5's, through sparsemax's
+    `rows_launch`) picks for rows of n entries of dtype."""
+    x = torch.empty(0, device="cuda", dtype=dtype)
+    return kernels.rows_launch(x, rows, n,
+                               prefetch_rows=getattr(module, "PREFETCH_ROWS", None)).num_warps
 
 
-def forward_launcher(module, config, rows, n, name="sparsemax_forward"):
-    """The forward of `module` (a kernels module) with a variant's overrides for rows of n."""
+def forward_launcher(module, config, rows, n, dtype, name="sparsemax_forward"):
+    """The forward of `module` (a kernels module) with a variant's overrides for rows of n
+    entries of dtype."""
     config = dict(config)
     if "warps" in config:
-        default_warps = default_forward_warps(module, rows, n, name)
+        default_warps = default_forward_warps(module, rows, n, dtype)
         warps = default_warps * config.pop("warps")
         if not 1 <= warps <= 16:
             return None
@@ -239,10 +230,10 @@ def main():
                 variants = json.loads(args.variants) if args.variants else FORWARD_VARIANTS
                 if args.shapes and not args.variants_on_shapes:
                     variants = {"default": {}}
-                launchers = {name: forward_launcher(module, config, rows, n, forward_name)
+                launchers = {name: forward_launcher(module, config, rows, n, dtype, forward_name)
                              for name, config in variants.items()}
                 for name, other in baselines.items():
-                    launchers[name] = forward_launcher(other, {}, rows, n, forward_name)
+                    launchers[name] = forward_launcher(other, {}, rows, n, dtype, forward_name)
                 for name, fwd in launchers.items():
                     if fwd is None:
                         continue

@@ -29,12 +29,13 @@ def main():
     x = torch.randn(2048, 1024, device="cuda", requires_grad=True)
     xd = x.detach()
     y = torch.empty_like(xd)
-    block_m, block_n, warps = kernels.launch_config(2048, 1024, newton=True)
-    group = kernels.group_size(block_n, 4, warps)
-    args = (xd, y, 2048, 1024, 1, 1024, 1, 1, 1024, 1, 1)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=False, PREFETCH=False)
-    grid = (2048 // block_m,)
-    compiled = kernels.sparsemax_forward_kernel[grid](*args, **meta, num_warps=warps)
+    launch = kernels.rows_launch(xd, 2048, 1024)
+    args = (xd, y, 2048, 1024, 1, 1024, 0, 1, 1024, 0, 1)
+    meta = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group, WIDE=False,
+                PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
+                ROW_ALIGN=kernels.row_align(xd, 1024, (1024, 0, 1), (1024, 0, 1)))
+    grid = (launch.programs,)
+    compiled = kernels.sparsemax_forward_kernel[grid](*args, **meta, num_warps=launch.num_warps)
     stream = torch.cuda.current_stream().cuda_stream
     full_args = (*args, *meta.values())
     from triton import knobs

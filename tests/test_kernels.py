@@ -149,12 +149,42 @@ def test_launch_heuristic():
     for n, prefetch, want_warps in [(512, False, 1), (1024, True, 1), (2048, True, 1),
                                     (4096, False, 2), (8192, False, 4), (16384, False, 4),
                                     (32768, False, 8)]:
-        assert not kernels.rows_launch(x, 64 * sms, n, newton=True)[4]
-        programs, _, _, warps, fetches = kernels.rows_launch(x, 64 * sms, n,
-                                                             prefetch_rows=entmax.PREFETCH_ROWS)
-        assert fetches == prefetch and warps == want_warps, (n, fetches, warps)
+        assert not kernels.rows_launch(x, 64 * sms, n).prefetch
+        launch = kernels.rows_launch(x, 64 * sms, n, prefetch_rows=entmax.PREFETCH_ROWS)
+        assert launch.prefetch == prefetch and launch.num_warps == want_warps, (n, launch)
         if prefetch:
-            assert programs * warps == kernels.PREFETCH_WARPS_PER_SM * sms
+            assert launch.programs * launch.num_warps == kernels.PREFETCH_WARPS_PER_SM * sms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_short_rows_launch(dtype):
+    # Rows of up to 1 KB are spread over ROW_THREADS threads each, in chunks of one 16-byte
+    # vector, one warp a program holding as many rows as it has thread-groups; longer rows take
+    # one row a program. Each row's chunks stay in its threads (`_load_raw_rows`).
+    x = torch.empty(0, dtype=dtype)
+    vector = 16 // x.element_size()
+    for n in [1, 3, 8, 16, 24, 64, 100, 256, 512, 1024, 2048]:
+        launch = kernels.rows_launch(x, 1000, n)
+        row_bytes = launch.block_n * x.element_size()
+        if row_bytes > 1024:
+            assert launch.block_m == 1, (n, launch)
+            continue
+        threads = launch.block_n // launch.group // min(vector, launch.block_n)
+        assert threads == min(kernels.ROW_THREADS[max(16, row_bytes)], launch.block_n), (n, launch)
+        assert launch.block_m * threads == 32 * launch.num_warps == 32, (n, launch)
+        assert launch.thread_rows == (threads == 1), (n, launch)
+    assert not kernels.rows_launch(x, 1000, 16, block_m=8).thread_rows  # overrides keep theirs
+
+
+def test_row_align():
+    # The entries that divide n and every row's start, up to a 16-byte vector's; an odd stride
+    # or row length leaves 1.
+    x = torch.empty(0)
+    assert kernels.row_align(x, 8, (8, 0, 1), (8, 0, 1)) == 4
+    assert kernels.row_align(x, 6, (6, 0, 1), (8, 0, 1)) == 2
+    assert kernels.row_align(x, 8, (9, 0, 1), (8, 0, 1)) == 1
+    assert kernels.row_align(x, 8, (8, 0, 1), (16, 3, 1)) == 1
+    assert kernels.row_align(x.to(torch.bfloat16), 24, (24, 0, 1), (48, 0, 1)) == 8
 
 
 @pytest.mark.parametrize("op", ["sparsemax", "entmax15"])

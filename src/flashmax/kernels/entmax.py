@@ -185,12 +185,13 @@ def entmax15_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    WIDE: tl.constexpr, PREFETCH: tl.constexpr,
+    WIDE: tl.constexpr, PREFETCH: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     """Whole rows held in registers (`_map_rows`)."""
     _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
               y_stride_outer, y_stride_inner, y_stride_n, _entmax15_rows,
-              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH)
+              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH, THREAD_ROWS, ROW_ALIGN)
 
 
 @triton.jit
@@ -382,15 +383,16 @@ BACKWARD_LAUNCHES = LaunchCache(entmax15_backward_kernel)
 
 
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                     block_m=None, chunk=None, programs_per_sm=None) -> torch.Tensor:
+                     block_m=None, chunk=None, programs_per_sm=None,
+                     row_threads=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks.
-    `programs_per_sm` as in `rows_launch`. The other keyword arguments override the launch
-    heuristics (for benchmarks and tests).
+    `programs_per_sm` and `row_threads` as in `rows_launch`. The other keyword arguments
+    override the launch heuristics (for benchmarks and tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
-                and chunk is None and programs_per_sm is None)
+                and chunk is None and programs_per_sm is None and row_threads is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -407,7 +409,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
         return y
     launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
                 x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
-                prefetch_rows=PREFETCH_ROWS)
+                prefetch_rows=PREFETCH_ROWS, row_threads=row_threads)
     return y
 
 

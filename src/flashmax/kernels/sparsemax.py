@@ -29,6 +29,7 @@ steps are taken across ranks, each a launch of the sums kernel over the candidat
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,17 +43,22 @@ MAX_BLOCK_N = {torch.float64: 16384}
 DEFAULT_MAX_BLOCK_N = 32768
 ELEMENTS_PER_PROGRAM = 2048  # short rows are batched BLOCK_M at a time up to this many elements
 ELEMENTS_PER_THREAD = 128  # registers per thread for the row; more spill, fewer add latency
-# The forward's rows shorter than this are spread over up to 4 warps: with one warp a thread
-# would carry the Newton state of 16-32 rows (255 registers, few programs per SM). Measured on an
-# H200 (benchmarks/NOTES.md, v8): faster below 256 entries, slower at 256.
+# Tiles of rows shorter than this zero the outputs tied with tau by a bound per row, not by a
+# test of the whole tile (`_sparsemax_tile`; NOTES, v23).
 SHORT_ROW = tl.constexpr(256)
-SHORT_ROW_ENTRIES_PER_THREAD = 16
 # A forward holds rows of up to ONE_ROW_WIDEST entries one a program at ONE_ROW_ENTRIES_PER_THREAD
 # (1 warp at 2048 entries, 4 at 8192): measured on an H200 (benchmarks/NOTES.md, v30), 8192 over 4
 # warps (152 registers) beat 2 (255, spilling) by 2-5% in fp32 and 0-6% in bf16; longer rows
 # take ELEMENTS_PER_THREAD (16384 over 8 warps lost 26-44%).
 ONE_ROW_WIDEST = 8192
 ONE_ROW_ENTRIES_PER_THREAD = 64
+# A forward spreads rows of up to 1 KB over few threads each (by the row's bytes: threads a row),
+# one warp a program (`_load_raw_rows`): a row's reductions are then mostly each thread's own
+# instructions, with few shuffles, and fewer threads repeat its Newton update. Longer rows take
+# one row a program. Measured on an H200 (benchmarks/NOTES.md, v31): against 2048-entry
+# programs spreading each row over up to 32 threads, 1.8-2.5x faster from 16 to 256 entries.
+ROW_THREADS = {16: 1, 32: 1, 64: 1, 128: 2, 256: 4, 512: 8, 1024: 8}
+ROW_THREADS_WARPS = 1
 # A forward may instead walk several rows a program and load the next before searching this
 # one's threshold, for widths in its `prefetch_rows` (entmax-1.5's); at ~255 registers a thread,
 # PREFETCH_WARPS_PER_SM warps fill a multiprocessor's register file. Sparsemax no longer does:
@@ -367,9 +373,18 @@ def _sparsemax_tile(z, pivot, step, bad, tiny):
 @triton.jit
 def _row_offsets(block, start, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                  BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
-                 WIDE: tl.constexpr):
+                 WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1):
     """Offsets and mask of entries start ... start + GROUP * WIDTH of BLOCK_M rows of an
-    [outer, n, inner] view, each as a [GROUP, WIDTH] tile of contiguous chunks."""
+    [outer, n, inner] view, each as a [GROUP, WIDTH] tile of contiguous chunks. ROW_ALIGN: a
+    number of entries that divides n and both row strides (`row_align`), said so to Triton,
+    which knows an integer's divisibility only by 16: each thread's vectors are then one
+    access each, under one mask bit."""
+    if ROW_ALIGN > 1:
+        # Identities here, which Triton cannot fold away (`tl.multiple_of` on the offsets would
+        # be, with the op it marks).
+        n = n // ROW_ALIGN * ROW_ALIGN
+        stride_outer = stride_outer // ROW_ALIGN * ROW_ALIGN
+        stride_inner = stride_inner // ROW_ALIGN * ROW_ALIGN
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = start + tl.arange(0, GROUP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
     rows64 = rows.to(tl.int64)
@@ -385,11 +400,15 @@ def _row_offsets(block, start, n_rows, n, inner, stride_outer, stride_inner, str
 @triton.jit
 def _load_raw_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                    BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
-                   WIDE: tl.constexpr):
+                   WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1):
     """BLOCK_M whole rows of X as a [BLOCK_M, GROUP, WIDTH] tile in X's dtype, -inf beyond the
-    rows' ends (rows at or past n_rows are not read)."""
+    rows' ends (rows at or past n_rows are not read).
+
+    Triton lays a load's threads along the contiguous axis first (WIDTH, a 16-byte vector
+    each), then along the others in order: the rows, then the chunks. With WIDTH one vector,
+    a warp's threads thus hold 32 rows, one each, a row's chunks in its thread's registers."""
     off, mask = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
-                             BLOCK_M, GROUP, WIDTH, WIDE)
+                             BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
     return tl.load(X + off, mask=mask, other=-float("inf"))
 
 
@@ -411,10 +430,10 @@ def _load_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
 @triton.jit
 def _store_rows(Y, tile, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                 BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
-                WIDE: tl.constexpr):
-    """A tile laid out as `_load_rows`' into BLOCK_M whole rows of Y, in Y's dtype."""
+                WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1):
+    """A tile laid out as `_load_raw_rows`' into BLOCK_M whole rows of Y, in Y's dtype."""
     off, mask = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
-                             BLOCK_M, GROUP, WIDTH, WIDE)
+                             BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
     tl.store(Y + off, tile.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -433,32 +452,39 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
 def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
               y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-              WIDE: tl.constexpr, PREFETCH: tl.constexpr):
+              WIDE: tl.constexpr, PREFETCH: tl.constexpr, THREAD_ROWS: tl.constexpr,
+              ROW_ALIGN: tl.constexpr):
     """Y = ROWS_FN(X tile, GROUP, PREFETCHING), BLOCK_M whole rows at a time held in
     registers: one read, one write.
 
     Without PREFETCH a program does one block. With it, program p does blocks p, p + programs,
     ... and issues the next block's load before working on this one: when all blocks fit in
     about one wave, the programs would otherwise all load, then all compute with memory idle,
-    then all store.
+    then all store. THREAD_ROWS: chunks (WIDTH) of one 16-byte vector, so that each row lies in
+    one thread (`_load_raw_rows`); ROWS_FN's reductions along a row are then that thread's own
+    instructions, and it gets GROUP = 1, as a search over group maxima would only add steps.
+    ROW_ALIGN (`row_align`) lets a thread's chunk be one vector access when rows are not
+    16-entry multiples apart, the only case Triton sees by itself.
     """
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
+    SEARCH_GROUP: tl.constexpr = 1 if THREAD_ROWS else GROUP
     x = _load_raw_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                       BLOCK_M, GROUP, WIDTH, WIDE)
+                       BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
     if PREFETCH:
         programs = tl.num_programs(0)
         for next_block in tl.range(block + programs, tl.cdiv(n_rows, BLOCK_M) + programs,
                                    programs, num_stages=1):
             x_next = _load_raw_rows(X, next_block, n_rows, n, inner, x_stride_outer,
-                                    x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
-            _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP, True), block, n_rows, n, inner,
-                        y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+                                    x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
+            _store_rows(Y, ROWS_FN(_compute_dtype(x), SEARCH_GROUP, True), block, n_rows, n,
+                        inner, y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH,
+                        WIDE, ROW_ALIGN)
             x = x_next
             block = next_block
     else:
-        _store_rows(Y, ROWS_FN(_compute_dtype(x), GROUP, False), block, n_rows, n, inner,
-                    y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE)
+        _store_rows(Y, ROWS_FN(_compute_dtype(x), SEARCH_GROUP, False), block, n_rows, n, inner,
+                    y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
 
 
 @triton.jit
@@ -467,12 +493,13 @@ def sparsemax_forward_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    WIDE: tl.constexpr, PREFETCH: tl.constexpr,
+    WIDE: tl.constexpr, PREFETCH: tl.constexpr, THREAD_ROWS: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     """Whole rows held in registers (`_map_rows`)."""
     _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
               y_stride_outer, y_stride_inner, y_stride_n, _sparsemax_rows,
-              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH)
+              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH, THREAD_ROWS, ROW_ALIGN)
 
 
 @triton.jit
@@ -948,15 +975,12 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def launch_config(n_rows: int, n: int, num_warps=None, block_m=None, newton=False):
-    """(BLOCK_M, BLOCK_N, num_warps): rows per program, padded row width, warps. `newton`:
-    for the forward, whose per-row state takes registers too."""
+def launch_config(n_rows: int, n: int, num_warps=None, block_m=None):
+    """(BLOCK_M, BLOCK_N, num_warps): rows per program, padded row width, warps."""
     block_n = _next_power_of_2(n)
     if block_m is None:
         block_m = max(1, min(_next_power_of_2(n_rows), ELEMENTS_PER_PROGRAM // block_n))
     elements = block_m * block_n
-    if num_warps is None and newton and block_n < SHORT_ROW.value:
-        num_warps = max(1, min(4, elements // (32 * SHORT_ROW_ENTRIES_PER_THREAD)))
     if num_warps is None:
         # Measured on an H200 (benchmarks/NOTES.md): 128 entries per thread, but two warps
         # from 4096 entries on.
@@ -993,7 +1017,7 @@ def _rows(x: torch.Tensor, out, dim: int, chunk):
 
 def _split_launch(n_rows: int, n: int, chunk: int, num_warps, x: torch.Tensor):
     """(grid, n_splits, CHUNK, num_warps, per-chunk scratch) of a split launch."""
-    _, block_n, num_warps = launch_config(1, chunk, num_warps, 1, newton=True)
+    _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
     n_splits = -(-n // block_n)
     part = torch.empty((n_rows * n_splits, PART_SIZE.value), device=x.device,
                        dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
@@ -1099,18 +1123,43 @@ def walking_programs(blocks: int, programs_per_sm, device: torch.device) -> int:
     return min(blocks, programs_per_sm * _multiprocessors(device))
 
 
+class RowsLaunch(NamedTuple):
+    """A `_map_rows` launch: its grid's programs and its constexprs."""
+    programs: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    prefetch: bool
+    group: int
+    thread_rows: bool
+
+
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
-                newton=False, prefetch_rows=None):
-    """(programs, BLOCK_M, BLOCK_N, num_warps, PREFETCH) of a `_map_rows` kernel over rows of x.
+                prefetch_rows=None, group=None, row_threads=None) -> RowsLaunch:
+    """The launch of a `_map_rows` kernel over rows of x.
     programs_per_sm: None for the heuristic (one row a program, prefetching, for widths from
     prefetch_rows[0] to prefetch_rows[1]; None: never), 0 for one program per block, else that
-    many programs per multiprocessor (one multiprocessor off CUDA) walking the blocks."""
+    many programs per multiprocessor (one multiprocessor off CUDA) walking the blocks.
+    row_threads: threads a row is spread over, in chunks of one 16-byte vector (None:
+    ROW_THREADS' for rows of up to 1 KB, unless block_m or group is given; longer rows one a
+    program); then ROW_THREADS_WARPS warps and a row a thread-group by default."""
     block_n = _next_power_of_2(n)
+    vector = min(block_n, 16 // x.element_size())
+    if row_threads is None and block_m is None and group is None:
+        row_threads = ROW_THREADS.get(max(16, block_n * x.element_size()))
+    if row_threads is not None:
+        width = min(block_n, row_threads * vector)
+        num_warps = num_warps or ROW_THREADS_WARPS
+        block_m = block_m or 32 * num_warps * vector // width
+        blocks = -(-n_rows // block_m)
+        programs = walking_programs(blocks, programs_per_sm, x.device)
+        return RowsLaunch(programs, block_m, block_n, num_warps, programs < blocks,
+                          block_n // width, width == vector)
     prefetching = (programs_per_sm is None and block_m is None and prefetch_rows is not None
                    and prefetch_rows[0] <= block_n <= prefetch_rows[1])
-    if prefetching:
+    if prefetching or (block_m is None and group is None):
         block_m = 1
-    block_m, block_n, default_warps = launch_config(n_rows, n, num_warps, block_m, newton)
+    block_m, block_n, default_warps = launch_config(n_rows, n, num_warps, block_m)
     if num_warps is None:
         num_warps = default_warps
         if block_m == 1 and block_n <= ONE_ROW_WIDEST:
@@ -1119,19 +1168,32 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
         programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps) if prefetching else 0
     blocks = -(-n_rows // block_m)
     programs = walking_programs(blocks, programs_per_sm, x.device)
-    return programs, block_m, block_n, num_warps, programs < blocks
+    return RowsLaunch(programs, block_m, block_n, num_warps, programs < blocks,
+                      group_size(block_n, x.element_size(), num_warps, group), False)
 
 
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
-                group=None, num_warps=None, block_m=None, programs_per_sm=None, newton=False,
-                prefetch_rows=None):
+                group=None, num_warps=None, block_m=None, programs_per_sm=None,
+                prefetch_rows=None, row_threads=None):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices, kept under key."""
-    programs, block_m, block_n, num_warps, prefetch = rows_launch(
-        x, n_rows, n, num_warps, block_m, programs_per_sm, newton, prefetch_rows)
-    launches.launch(key, (programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides), dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group_size(block_n, x.element_size(), num_warps,
-                                                           group),
-        WIDE=wide, PREFETCH=prefetch, num_warps=num_warps))
+    launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
+                         group, row_threads)
+    launches.launch(key, (launch.programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides),
+                    dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
+                         WIDE=wide, PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
+                         ROW_ALIGN=row_align(x, n, x_strides, y_strides),
+                         num_warps=launch.num_warps))
+
+
+def row_align(x: torch.Tensor, n: int, *strides) -> int:
+    """The most entries, up to a 16-byte vector's, that divide n and every row's start, of rows
+    of n entries with (outer, inner, n) strides in tensors of x's dtype (`_row_offsets`). Rows
+    of 8 entries would otherwise be read and written an entry at a time."""
+    align = 16 // x.element_size()
+    for outer, inner, _ in strides:
+        while n % align or outer % align or inner % align:
+            align //= 2
+    return align
 
 
 def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
@@ -1147,7 +1209,7 @@ def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
-                      programs_per_sm=None, bound_groups=None) -> torch.Tensor:
+                      programs_per_sm=None, bound_groups=None, row_threads=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -1157,12 +1219,12 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
-    `bound_groups` (`SplitRows`). The other
-    keyword arguments override the launch heuristics (benchmarks, tests).
+    `bound_groups` (`SplitRows`), `row_threads` (`rows_launch`). The other keyword arguments
+    override the launch heuristics (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
-                and programs_per_sm is None and bound_groups is None)
+                and programs_per_sm is None and bound_groups is None and row_threads is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -1178,7 +1240,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
         return y
     launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
                 x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
-                newton=True)
+                row_threads=row_threads)
     return y
 
 
