@@ -8,7 +8,7 @@ inserted (TTGIR).
 
 The launch is specialised as the JIT specialises one over contiguous rows: pointers and the
 row length and outer strides divisible by 16, unit strides and `inner` constant 1. Pointer
-arguments (upper-case names) point to --dtype, scratch ones (PART, STATE) to its compute
+arguments (capitalised names) point to --dtype, scratch ones (PART, STATE) to its compute
 dtype, the rest are i32. Constexprs are given as NAME=VALUE (an int, a tl dtype name, else a
 string).
 Registers depend on the Triton release: run it with the GPU machine's (triton 3.6 there:
@@ -66,7 +66,7 @@ def specialise(fn, dtype: str, consts: dict, aligned_rows=True):
             signature[name], constexprs[(index,)] = "constexpr", consts[name]
         elif name.endswith(("stride_n", "stride_inner")) or name == "inner":
             signature[name], constexprs[(index,)] = "constexpr", 1
-        elif name.isupper():
+        elif name[:1].isupper():
             signature[name] = "*" + (COMPUTE.get(dtype, "fp32") if name in SCRATCH else dtype)
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:

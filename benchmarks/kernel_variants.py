@@ -198,7 +198,8 @@ def main():
                         help="only the eager forward + backward against torch.softmax")
     parser.add_argument("--baseline", metavar="FILE", nargs="+", default=[],
                         help="other kernels modules (an earlier version, a branch's) to time "
-                             "in the same run, each as a variant named by its file's stem")
+                             "in the same run, forward and backward, each as a variant named by "
+                             "its file's stem")
     parser.add_argument("--variants-on-shapes", action="store_true",
                         help="time every variant on --shapes, not the default kernel only")
     parser.add_argument("--variants", metavar="JSON",
@@ -259,9 +260,12 @@ def main():
                     backward_variants = {"default": {}}
                     if args.backward_variants and dtype == torch.float32:
                         backward_variants = json.loads(args.backward_variants)
-                    for name, config in backward_variants.items():
-                        def backward(p, config=config):
-                            return getattr(module, backward_name)(p[0], p[1], 1, **config)
+                    backwards = {name: (module, config)
+                                 for name, config in backward_variants.items()}
+                    backwards.update({name: (other, {}) for name, other in baselines.items()})
+                    for name, (owner, config) in backwards.items():
+                        def backward(p, owner=owner, config=config):
+                            return getattr(owner, backward_name)(p[0], p[1], 1, **config)
                         med, p20, p80 = gpu_time_us(backward, pairs)
                         records.append(dict(op=args.op, mode="backward", variant=name, n=n, rows=rows,
                                             dtype=str(dtype)[6:], dist=dist, median_us=med,
