@@ -115,7 +115,8 @@ def sweep_settings(*options: str) -> Settings:
 
 
 def test_sweep_widths_and_rows_fill_the_size():
-    assert list(SWEEP_FEATURES) == sorted({2**k for k in range(3, 21)} | {1000, 50257, 128256, 151936, 262144})
+    assert list(SWEEP_FEATURES) == sorted({2**k for k in range(3, 21)}
+                                          | {10, 100, 1000, 50257, 128256, 151936, 262144})
     settings = dataclasses.replace(sweep_settings("--device", "cpu"), features=SWEEP_FEATURES,
                                    sweep_min_bytes=GPU_SWEEP_MIN_BYTES)  # the GPU's sweep, built on any machine
     workloads = settings.workloads()
