@@ -10,10 +10,10 @@ entries hold nearly all of the large entries, so the expensive full-row steps ar
 two. A row is loaded as a [GROUP, WIDTH] tile of GROUP contiguous chunks, so that the group
 maxima (down the tile's columns) are a reduction inside each thread's registers.
 
-Every step is a chain of reductions whose latency, not the arithmetic, bounds short rows:
-the launch heuristics give each row few warps (one up to 2048 entries, 64 entries a thread up
-to 8192, 128 beyond), so that most reductions are warp shuffles and many rows are in flight
-per SM.
+Every step is a chain of reductions along each row: the launch heuristics give each row few
+threads (rows of up to 1 KB 1-8 threads, 32 rows a warp; longer ones one warp up to 2048
+entries, 64 entries a thread up to 8192, 128 beyond), so that most reductions are a thread's own
+additions or warp shuffles and many rows are in flight per SM.
 
 Rows longer than MAX_BLOCK_N are split into chunks, one program each, in three passes that
 meet through a few scalars per chunk in a small scratch. Pass 1 reads each chunk once: its max,
@@ -56,7 +56,7 @@ ONE_ROW_ENTRIES_PER_THREAD = 64
 # one warp a program (`_load_raw_rows`): a row's reductions are then mostly each thread's own
 # instructions, with few shuffles, and fewer threads repeat its Newton update. Longer rows take
 # one row a program. Measured on an H200 (benchmarks/NOTES.md, v31): against 2048-entry
-# programs spreading each row over up to 32 threads, 1.8-2.5x faster from 16 to 256 entries.
+# programs spreading each row over up to 32 threads, 1.8-2.6x faster from 16 to 256 entries.
 ROW_THREADS = {16: 1, 32: 1, 64: 1, 128: 2, 256: 4, 512: 8, 1024: 8}
 ROW_THREADS_WARPS = 1
 # A forward may instead walk several rows a program and load the next before searching this
@@ -476,7 +476,8 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
         for next_block in tl.range(block + programs, tl.cdiv(n_rows, BLOCK_M) + programs,
                                    programs, num_stages=1):
             x_next = _load_raw_rows(X, next_block, n_rows, n, inner, x_stride_outer,
-                                    x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
+                                    x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE,
+                                    ROW_ALIGN)
             _store_rows(Y, ROWS_FN(_compute_dtype(x), SEARCH_GROUP, True), block, n_rows, n,
                         inner, y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH,
                         WIDE, ROW_ALIGN)
@@ -484,7 +485,8 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
             block = next_block
     else:
         _store_rows(Y, ROWS_FN(_compute_dtype(x), SEARCH_GROUP, False), block, n_rows, n, inner,
-                    y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
+                    y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE,
+                    ROW_ALIGN)
 
 
 @triton.jit
