@@ -290,7 +290,8 @@ def test_property_reference_fp64(n, seed):
 
 POISON = 12345.0
 ROWS = 64 if ON_GPU else 5
-KERNEL_WIDTHS = [1, 3, 100, 1000, 4096, 32768, 100000] if ON_GPU else [1, 3, 100, 1000]
+KERNEL_WIDTHS = ([1, 3, 16, 100, 1000, 4096, 32768, 100000] if ON_GPU
+                 else [1, 3, 16, 100, 1000])  # 16: one thread a row
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,11 @@ DEVICE = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu")
 ON_GPU = DEVICE == "cuda"
 # Interpreter programs run one after another in Python: keep the CPU shapes small.
 ROWS = 64 if ON_GPU else 6
-WIDTHS = [1, 3, 8, 100, 1000, 4096, 32768, 100000] if ON_GPU else [1, 3, 8, 100, 1000, 4096]
+# Short widths reach each short-row launch (`rows_launch`): 8 and 16 one thread a row, 64 four
+# threads, 100 eight (its alignment known to Triton only through ROW_ALIGN; 3 has none); 1000
+# one row a program.
+WIDTHS = ([1, 3, 8, 16, 64, 100, 1000, 4096, 32768, 100000] if ON_GPU
+          else [1, 3, 8, 16, 64, 100, 1000, 4096])
 POISON = 12345.0
 
 
