@@ -30,10 +30,11 @@ def main():
     xd = x.detach()
     y = torch.empty_like(xd)
     launch = kernels.rows_launch(xd, 2048, 1024)
-    args = (xd, y, 2048, 1024, 1, 1024, 0, 1, 1024, 0, 1)
+    strides = (1024, 0, 1)  # (outer, inner, n) of x and of y
+    args = (xd, y, 2048, 1024, 1, *strides, *strides)
     meta = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group, WIDE=False,
                 PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
-                ROW_ALIGN=kernels.row_align(xd, 1024, (1024, 0, 1), (1024, 0, 1)))
+                ROW_ALIGN=kernels.row_align(xd, 1024, strides, strides))
     grid = (launch.programs,)
     compiled = kernels.sparsemax_forward_kernel[grid](*args, **meta, num_warps=launch.num_warps)
     stream = torch.cuda.current_stream().cuda_stream

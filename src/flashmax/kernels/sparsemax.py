@@ -463,8 +463,8 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
     then all store. THREAD_ROWS: chunks (WIDTH) of one 16-byte vector, so that each row lies in
     one thread (`_load_raw_rows`); ROWS_FN's reductions along a row are then that thread's own
     instructions, and it gets GROUP = 1, as a search over group maxima would only add steps.
-    ROW_ALIGN (`row_align`) lets a thread's chunk be one vector access when rows are not
-    16-entry multiples apart, the only case Triton sees by itself.
+    ROW_ALIGN (`row_align`) lets a thread's chunk be one vector access also when rows are not
+    16-entry multiples long and apart (the only alignment Triton sees by itself).
     """
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
