@@ -276,18 +276,16 @@ def entmax15_backward_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     g_stride_outer, g_stride_inner, g_stride_n,
     dx_stride_outer, dx_stride_inner, dx_stride_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
 ):
     """dx = s g - (sum(s g) / sum(s)) s, s = sqrt(y): BLOCK_M whole rows per program."""
     block = tl.program_id(0)
     y, g, _ = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
                          y_stride_outer, y_stride_inner, y_stride_n,
-                         g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE,
-                         ROW_ALIGN)
+                         g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
     total, norm = _weighted_sums(y, g)
     _store_rows(DX, _backward_tile(y, g, total / norm), block, n_rows, n, inner,
-                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE,
-                ROW_ALIGN)
+                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
 
 
 @triton.jit
