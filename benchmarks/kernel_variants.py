@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import statistics
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -56,9 +57,55 @@ def gpu_time_us(fn, inputs, replays=15):
     return statistics.median(times), times[len(times) // 5], times[4 * len(times) // 5]
 
 
-# --op: (kernels module, forward launcher's name, backward launcher's name, fp64 sort oracle)
-OPS = {"sparsemax": (kernels, "sparsemax_forward", "sparsemax_backward", sparsemax_sort),
-       "entmax15": (entmax_kernels, "entmax15_forward", "entmax15_backward", entmax15_sort)}
+class Op(NamedTuple):
+    """What --op times: launchers called on a kernels module (this tree's, or a --baseline's of
+    the same file), and the fp64 oracle of the forward's output."""
+    module: object
+    forward: Callable  # (module, x, out=None, **overrides) -> output of x's shape
+    backward: Callable | None  # (module, y, grad) -> dx
+    oracle: Callable  # fp64 x -> the forward's exact output
+
+
+def launcher(name):
+    def call(module, *tensors, **config):
+        return getattr(module, name)(*tensors, 1, **config)
+    return call
+
+
+LOSS_TARGETS = {}
+
+
+def loss_targets(rows, n, device):
+    """Fixed targets spread over the classes, and a loss gradient of ones, per shape."""
+    key = (rows, n, device)
+    if key not in LOSS_TARGETS:
+        rows_ = torch.arange(rows, device=device)
+        LOSS_TARGETS[key] = (rows_ * 7919 % n, torch.ones(rows, device=device))
+    return LOSS_TARGETS[key]
+
+
+def loss_op(use_entmax15) -> Op:
+    """The fused loss's backward (x in, p - onehot(target) out: the loss's traffic) timed as a
+    forward of x, with its oracle."""
+    sort = entmax15_sort if use_entmax15 else sparsemax_sort
+
+    def forward(module, x, out=None, **config):
+        target, ones = loss_targets(*x.shape, x.device)
+        return module.loss(x, target, -100, use_entmax15, grad_loss=ones.to(x.dtype), out=out,
+                           **config)
+
+    def oracle(x):
+        target, _ = loss_targets(*x.shape, x.device)
+        p = sort(x)
+        return p - torch.nn.functional.one_hot(target, x.shape[1]).to(p.dtype)
+    return Op(entmax_kernels, forward, None, oracle)
+
+
+OPS = {"sparsemax": Op(kernels, launcher("sparsemax_forward"), launcher("sparsemax_backward"),
+                       sparsemax_sort),
+       "entmax15": Op(entmax_kernels, launcher("entmax15_forward"),
+                      launcher("entmax15_backward"), entmax15_sort),
+       "sparsemax_loss": loss_op(False), "entmax15_loss": loss_op(True)}
 
 
 def rel_error(y, x, oracle):
@@ -82,7 +129,7 @@ def default_forward_warps(module, rows, n, dtype):
                                prefetch_rows=getattr(module, "PREFETCH_ROWS", None)).num_warps
 
 
-def forward_launcher(module, config, rows, n, dtype, name="sparsemax_forward"):
+def forward_launcher(op, module, config, rows, n, dtype):
     """The forward of `module` (a kernels module) with a variant's overrides for rows of n
     entries of dtype."""
     config = dict(config)
@@ -94,7 +141,7 @@ def forward_launcher(module, config, rows, n, dtype, name="sparsemax_forward"):
         config["num_warps"] = int(warps)
 
     def forward(x, out=None):
-        return getattr(module, name)(x, 1, out=out, **config)
+        return op.forward(module, x, out=out, **config)
     return forward
 
 
@@ -220,7 +267,8 @@ def main():
         shapes = []
     baselines = {module.__name__.rsplit(".", 1)[1]: module
                  for module in map(load_module, args.baseline)}
-    module, forward_name, backward_name, oracle = OPS[args.op]
+    op = OPS[args.op]
+    module = op.module
     records = []
     for rows, n in shapes:
         for dtype in (torch.float32, torch.bfloat16):
@@ -231,10 +279,10 @@ def main():
                 variants = json.loads(args.variants) if args.variants else FORWARD_VARIANTS
                 if args.shapes and not args.variants_on_shapes:
                     variants = {"default": {}}
-                launchers = {name: forward_launcher(module, config, rows, n, dtype, forward_name)
+                launchers = {name: forward_launcher(op, module, config, rows, n, dtype)
                              for name, config in variants.items()}
                 for name, other in baselines.items():
-                    launchers[name] = forward_launcher(other, {}, rows, n, dtype, forward_name)
+                    launchers[name] = forward_launcher(op, other, {}, rows, n, dtype)
                 for name, fwd in launchers.items():
                     if fwd is None:
                         continue
@@ -246,15 +294,15 @@ def main():
                               f"{str(error)[:300]}", flush=True)
                         continue
                     built = [k for i, k in compiled_forwards(module).items() if i not in before]
-                    err = rel_error(y, inputs[0], oracle)
+                    err = rel_error(y, inputs[0], op.oracle)
                     med, p20, p80 = gpu_time_us(fwd, inputs)
                     records.append(dict(op=args.op, mode="forward", variant=name, n=n, rows=rows,
                                         dtype=str(dtype)[6:], dist=dist, median_us=med,
                                         p20_us=p20, p80_us=p80, floor_us=floor,
                                         ratio=med / floor, rel_error=err,
                                         kernels=resources(built)))
-                if dist == "randn":
-                    ys = [getattr(module, forward_name)(x, 1) for x in inputs]
+                if dist == "randn" and op.backward is not None:
+                    ys = [op.forward(module, x) for x in inputs]
                     gs = [torch.randn_like(x) for x in inputs]
                     pairs = list(zip(ys, gs))
                     backward_variants = {"default": {}}
@@ -265,7 +313,7 @@ def main():
                     backwards.update({name: (other, {}) for name, other in baselines.items()})
                     for name, (owner, config) in backwards.items():
                         def backward(p, owner=owner, config=config):
-                            return getattr(owner, backward_name)(p[0], p[1], 1, **config)
+                            return op.backward(owner, p[0], p[1], **config)
                         med, p20, p80 = gpu_time_us(backward, pairs)
                         records.append(dict(op=args.op, mode="backward", variant=name, n=n, rows=rows,
                                             dtype=str(dtype)[6:], dist=dist, median_us=med,

@@ -24,7 +24,8 @@ from .launch import LaunchCache
 from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _map_rows, _nan_max,
                         _row_offsets, _rows, _store_rows, _strided, _support_found, _tile_max,
                         _tile_threshold, _wide, group_size, kept_launch, launch_config,
-                        launch_gradient_rows, launch_rows, max_block_n)
+                        launch_gradient_rows, launch_rows, max_block_n, row_align,
+                        rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -276,16 +277,18 @@ def entmax15_backward_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     g_stride_outer, g_stride_inner, g_stride_n,
     dx_stride_outer, dx_stride_inner, dx_stride_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """dx = s g - (sum(s g) / sum(s)) s, s = sqrt(y): BLOCK_M whole rows per program."""
     block = tl.program_id(0)
     y, g, _ = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
                          y_stride_outer, y_stride_inner, y_stride_n,
-                         g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
+                         g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE,
+                         ROW_ALIGN)
     total, norm = _weighted_sums(y, g)
     _store_rows(DX, _backward_tile(y, g, total / norm), block, n_rows, n, inner,
-                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
+                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE,
+                ROW_ALIGN)
 
 
 @triton.jit
@@ -322,6 +325,7 @@ def loss_kernel(
     X, T, GL, OUT, n_rows, n, x_stride_row, x_stride_n, ignore_index,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
     ENTMAX15: tl.constexpr, BACKWARD: tl.constexpr, WIDE: tl.constexpr,
+    THREAD_ROWS: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """The sparsemax (ENTMAX15=False) or entmax-1.5 loss of BLOCK_M rows of a [rows, n] view.
 
@@ -329,12 +333,14 @@ def loss_kernel(
     (1 - sum(p^2)) / 2 for sparsemax and (1 - sum(p^1.5)) / 0.75 for entmax-1.5 (the entmax
     package's definitions; sum(p) = 1 makes the shift exact). The forward writes one loss per
     row to OUT; BACKWARD writes GL[row] * (p - onehot(target)) to OUT, laid out as x. Rows whose
-    target is ignore_index give 0.
+    target is ignore_index give 0. Laid out as the forward (`rows_launch`, `_map_rows`:
+    THREAD_ROWS, ROW_ALIGN).
     """
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
+    SEARCH_GROUP: tl.constexpr = 1 if THREAD_ROWS else GROUP
     off, mask = _row_offsets(block, 0, n_rows, n, 1, x_stride_row, 0, x_stride_n,
-                             BLOCK_M, GROUP, WIDTH, WIDE)
+                             BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
     x = tl.load(X + off, mask=mask, other=-float("inf"))
     x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
     row_max = _tile_max(x)
@@ -342,11 +348,11 @@ def loss_kernel(
     z = x - row_max[:, None, None]
     if ENTMAX15:
         z = z * 0.5  # entmax-1.5's coordinates; one tile live, not two
-        pivot, step, _ = _entmax_tile_threshold(z, GROUP, True)
+        pivot, step, _ = _entmax_tile_threshold(z, SEARCH_GROUP, True)
         t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
         p = t * t
     else:
-        pivot, step, _ = _tile_threshold(z, _group_max(z), GROUP)
+        pivot, step, _ = _tile_threshold(z, _group_max(z), SEARCH_GROUP)
         p = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     target = tl.load(T + rows, mask=rows < n_rows, other=ignore_index)
@@ -358,7 +364,8 @@ def loss_kernel(
         dx = scale[:, None, None] * (p - is_target.to(x.dtype))
         dx = tl.where(bad[:, None, None], float("nan"), dx)
         dx = tl.where(ignored[:, None, None], 0.0, dx)
-        out_off, _ = _row_offsets(block, 0, n_rows, n, 1, n, 0, 1, BLOCK_M, GROUP, WIDTH, WIDE)
+        out_off, _ = _row_offsets(block, 0, n_rows, n, 1, n, 0, 1, BLOCK_M, GROUP, WIDTH, WIDE,
+                                  ROW_ALIGN)
         tl.store(OUT + out_off, dx.to(OUT.dtype.element_ty), mask=mask)
     else:
         # With omega(p) = (1 - sum(p w)) / c, the loss is (sum(p (c x' - w)) - c x'[target] + 1) / c
@@ -439,10 +446,12 @@ def loss_fits(n: int, dtype: torch.dtype, chunk=None) -> bool:
 
 
 def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: bool,
-         grad_loss=None, out=None, group=None, num_warps=None, block_m=None) -> torch.Tensor:
+         grad_loss=None, out=None, group=None, num_warps=None, block_m=None,
+         row_threads=None) -> torch.Tensor:
     """The fused loss of each row of a 2-D x (classes last) against target [rows], into `out`;
     with grad_loss [rows], its gradient grad_loss * (p - onehot(target)) instead (contiguous,
-    x's shape). Rows must fit one program (`loss_fits`); targets must be valid."""
+    x's shape). Rows must fit one program (`loss_fits`); targets must be valid. The launch is
+    the forward's (`rows_launch`, whose overrides the keyword arguments are)."""
     backward = grad_loss is not None
     n_rows, n = x.shape
     if out is None:
@@ -450,13 +459,14 @@ def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: boo
     if x.numel() == 0:  # no classes: every row is ignored, and its loss is 0
         return out.zero_()
     x, _ = _strided(x, 1)
-    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
-    group = group_size(block_n, x.element_size(), num_warps, group)
-    loss_kernel[(-(-n_rows // block_m),)](
+    launch = rows_launch(x, n_rows, n, num_warps, block_m, group=group, row_threads=row_threads)
+    x_strides = (x.stride(0), 0, x.stride(1))
+    loss_kernel[(launch.programs,)](
         x, target, grad_loss if backward else x, out, n_rows, n, x.stride(0), x.stride(1),
-        ignore_index, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, ENTMAX15=entmax15,
-        BACKWARD=backward, WIDE=_wide(n, x.stride(1)),
-        num_warps=num_warps,
+        ignore_index, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
+        ENTMAX15=entmax15, BACKWARD=backward, WIDE=_wide(n, x.stride(1)),
+        THREAD_ROWS=launch.thread_rows, ROW_ALIGN=row_align(x, n, x_strides, (n, 0, 1)),
+        num_warps=launch.num_warps,
     )
     return out
 

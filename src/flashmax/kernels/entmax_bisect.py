@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .sparsemax import (_add_add, _is_bad, _load_rows, _load_y_g, _nan_max, _row_offsets, _rows,
                         _store_rows, _strided, _tile_max, _wide, group_size, launch_config,
-                        rows_view)
+                        row_align, rows_view)
 from ..reference_bisect import TOLERANCE_ULPS
 
 _TOLERANCE_ULPS = tl.constexpr(TOLERANCE_ULPS)  # jit functions read only constexpr globals
@@ -149,7 +149,7 @@ def entmax_bisect_forward_kernel(
     a_stride_outer, a_stride_inner,
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
-    ENSURE_SUM_ONE: tl.constexpr,
+    ENSURE_SUM_ONE: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """BLOCK_M whole rows per program, held in registers as [GROUP, WIDTH] tiles: one read,
     one write. As on the CPU path, τ is first bounded from below by solving on the maxima of
@@ -159,7 +159,7 @@ def entmax_bisect_forward_kernel(
     WIDTH: tl.constexpr = BLOCK_N // GROUP
     PTYPE: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     x = _load_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                   BLOCK_M, GROUP, WIDTH, WIDE)
+                   BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
     alpha = _row_alpha(A, block, n_rows, inner, a_stride_outer, a_stride_inner, BLOCK_M)
     row_max = _tile_max(x)
     bad, am1, k, tol, lo, hi = _setup(row_max, alpha, n, tl.float64, PTYPE)
@@ -169,7 +169,7 @@ def entmax_bisect_forward_kernel(
     tau_out, sum_out, _ = _solve(z, k, tol, lo, hi, bad, n_iter)
     y = _output_tile(z, tau_out, sum_out, k, bad, ENSURE_SUM_ONE)
     _store_rows(Y, y, block, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
-                BLOCK_M, GROUP, WIDTH, WIDE)
+                BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
 
 
 @triton.jit
@@ -258,19 +258,20 @@ def entmax_bisect_backward_kernel(
     a_stride_outer, a_stride_inner,
     dx_stride_outer, dx_stride_inner, dx_stride_n,
     da_stride_outer, da_stride_inner,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """The entmax package's gradients w.r.t. x and α: BLOCK_M whole rows per program."""
     block = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
     y, g, _ = _load_y_g(Yp, G, block, 0, n_rows, n, inner, y_stride_outer, y_stride_inner,
                          y_stride_n, g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M,
-                         BLOCK_N, WIDE)
+                         BLOCK_N, WIDE, ROW_ALIGN)
     alpha = _row_alpha(A, block, n_rows, inner, a_stride_outer, a_stride_inner,
                        BLOCK_M).to(compute)
     q, d_alpha = _alpha_gradient(alpha, *_gradient_sums(y, g, alpha))
     _store_rows(DX, _gradient_tile(y, g, alpha, q), block, n_rows, n, inner,
-                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
+                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE,
+                ROW_ALIGN)
     da_off, da_mask = _row_offsets(block, 0, n_rows, 1, inner, da_stride_outer,
                                    da_stride_inner, 0, BLOCK_M, 1, 1, False)
     tl.store(DA + da_off, tl.reshape(d_alpha, [BLOCK_M, 1, 1]).to(DA.dtype.element_ty),
@@ -355,7 +356,8 @@ def entmax_bisect_forward(x, alpha, dim: int, n_iter: int, ensure_sum_one: bool,
     group = min(group_size(block_n, x.element_size(), num_warps, group), block_n)
     entmax_bisect_forward_kernel[(-(-n_rows // block_m),)](
         *args, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group, WIDE=wide,
-        ENSURE_SUM_ONE=ensure_sum_one, num_warps=num_warps)
+        ENSURE_SUM_ONE=ensure_sum_one, ROW_ALIGN=row_align(x, n, x_strides, y_strides),
+        num_warps=num_warps)
     return y
 
 
@@ -379,5 +381,6 @@ def entmax_bisect_backward(y, grad, alpha, dim: int, out=None, num_warps=None, b
         return dx, d_alpha
     block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
     entmax_bisect_backward_kernel[(-(-n_rows // block_m),)](
-        *args, BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, num_warps=num_warps)
+        *args, BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide,
+        ROW_ALIGN=row_align(y, n, y_strides, g_strides, dx_strides), num_warps=num_warps)
     return dx, d_alpha

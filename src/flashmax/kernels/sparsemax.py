@@ -421,10 +421,10 @@ def _compute_dtype(x):
 @triton.jit
 def _load_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
-               WIDE: tl.constexpr):
+               WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1):
     """`_load_raw_rows` in the compute dtype."""
     return _compute_dtype(_load_raw_rows(X, block, n_rows, n, inner, stride_outer, stride_inner,
-                                         stride_n, BLOCK_M, GROUP, WIDTH, WIDE))
+                                         stride_n, BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN))
 
 
 @triton.jit
@@ -848,14 +848,15 @@ def _support_sums(y, g):
 def _load_y_g(Yp, G, block, start, n_rows, n, inner,
               y_stride_outer, y_stride_inner, y_stride_n,
               g_stride_outer, g_stride_inner, g_stride_n,
-              BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr):
+              BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
+              ROW_ALIGN: tl.constexpr = 1):
     """Entries start ... start + WIDTH of BLOCK_M rows of y and g as [BLOCK_M, 1, WIDTH] tiles
-    in y's compute dtype, and the mask."""
+    in y's compute dtype, and the mask (ROW_ALIGN as `_row_offsets`')."""
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
     y_off, mask = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE, ROW_ALIGN)
     g_off, _ = _row_offsets(block, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE)
+                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE, ROW_ALIGN)
     y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
     g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
     return y, g, mask
@@ -872,17 +873,19 @@ def sparsemax_backward_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     g_stride_outer, g_stride_inner, g_stride_n,
     dx_stride_outer, dx_stride_inner, dx_stride_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """dx = s * (g - mean of g over s), s = (y > 0): BLOCK_M whole rows per program in
     registers, one read of y and g, one write."""
     block = tl.program_id(0)
     y, g, _ = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
                          y_stride_outer, y_stride_inner, y_stride_n,
-                         g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE)
+                         g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE,
+                         ROW_ALIGN)
     total, count = _support_sums(y, g)
     _store_rows(DX, _backward_tile(y, g, total / count), block, n_rows, n, inner,
-                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE)
+                dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE,
+                ROW_ALIGN)
 
 
 @triton.jit
@@ -1285,7 +1288,8 @@ class SplitBackward:
 def launch_gradient_rows(launches: LaunchCache, key, y, grad, dim, out, num_warps,
                          block_m) -> torch.Tensor:
     """Launch a backward kernel over whole rows in registers, (Y, G, DX, rows, strides, BLOCK_M,
-    BLOCK_N, WIDE), into out (new if None); kept under key unless y or grad had to be copied."""
+    BLOCK_N, WIDE, ROW_ALIGN), into out (new if None); kept under key unless y or grad had to be
+    copied."""
     dx, y_rows, n_rows, n, inner, y_strides, dx_strides, _ = _rows(y, out, dim, None)
     g_rows, (_, _, g_strides) = _strided(grad, dim)
     if y_rows is not y or g_rows is not grad:
@@ -1295,6 +1299,7 @@ def launch_gradient_rows(launches: LaunchCache, key, y, grad, dim, out, num_warp
                     (n_rows, n, inner, *y_strides, *g_strides, *dx_strides),
                     dict(BLOCK_M=block_m, BLOCK_N=block_n,
                          WIDE=_wide(n, y_strides[2], g_strides[2], dx_strides[2]),
+                         ROW_ALIGN=row_align(y, n, y_strides, g_strides, dx_strides),
                          num_warps=num_warps))
     return dx
 
