@@ -216,3 +216,38 @@ def test_entmax_bisect_oracle_and_impls_take_alpha():
     assert oracle.error("backward", dx) < 1e-5
     flashmax_impl = peers.discover(torch.device("cpu"), ["flashmax"], "entmax_bisect", 1.25)[0]
     assert torch.equal(flashmax_impl.fn(x, -1), flashmax.entmax_bisect(x, 1.25))
+
+
+@pytest.mark.parametrize("op", ["sparsemax_loss", "entmax15_loss"])
+def test_loss_ops_run_their_peers_against_their_oracle(tmp_path, op):
+    data = run(tmp_path, "--op", op, "--modes", "forward", "backward", "full")
+    records = data["records"]
+    runnable = [impl.name for impl in peers.discover(torch.device("cpu"), op=op) if impl.available]
+    assert {"flashmax", "torch-sort"} <= set(runnable) and "liger" not in runnable
+    assert len(records) == 2 * 3 * len(runnable)  # features x modes x impls
+    for record in records:
+        assert record["op"] == op and record["error"] is None, record
+        if record["impl"] in ("flashmax", "torch-sort"):
+            assert record["inexact"] is False, record
+    # The floor scales to the tensors each mode moves: 1 (x), 2 (x, dx), 3 (x twice, dx).
+    floors = {(r["features"], r["mode"]): r["floor_us"] for r in records}
+    for features in (16, 32):
+        assert floors[features, "backward"] == pytest.approx(2 * floors[features, "forward"])
+        assert floors[features, "full"] == pytest.approx(3 * floors[features, "forward"])
+    assert "(forward 1, backward 2, full 3)" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("entmax15", [False, True])
+def test_loss_oracle_is_the_loss_and_its_gradient(entmax15):
+    """The oracle matches the public loss and its gradient, and a wrong target is far from it."""
+    op = "entmax15_loss" if entmax15 else "sparsemax_loss"
+    workload = Workload(tokens=6, features=16, dtype="fp32", dist="randn")
+    cpu = torch.device("cpu")
+    x, target, g = workload.input(cpu), workload.target(cpu), workload.loss_grad(cpu)
+    oracle = runner.Oracle(workload, cpu, op)
+    loss_fn = flashmax.entmax15_loss if entmax15 else flashmax.sparsemax_loss
+    xg = x.clone().requires_grad_()
+    loss = loss_fn(xg, target)
+    assert oracle.error("forward", loss) < 1e-6
+    assert oracle.error("forward", loss_fn(x, (target + 1) % 16)) > 1e-2
+    assert oracle.error("backward", torch.autograd.grad(loss, xg, g)[0]) < 1e-6

@@ -42,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--op", choices=OPS, default="sparsemax",
                        help="the normaliser timed: sparsemax (default), entmax15 (its peers: the "
                             "entmax package's entmax15 and entmax_bisect(alpha=1.5), AdaSplash's "
-                            "triton_entmax15, the sort baseline) or entmax_bisect at --alpha (its peers: "
-                            "the entmax package's entmax_bisect, AdaSplash's triton_entmax)")
+                            "triton_entmax15, the sort baseline), entmax_bisect at --alpha (its peers: "
+                            "the entmax package's entmax_bisect, AdaSplash's triton_entmax), or the losses "
+                            "sparsemax_loss and entmax15_loss against fixed random targets (their peers: the "
+                            "entmax package's, the loss of the sort baseline; floors: forward 1 tensor, "
+                            "backward 2)")
     bench.add_argument("--alpha", type=alpha_above_1,
                        help=f"with --op entmax_bisect: α > 1 (default: {DEFAULT_ALPHA})")
     bench.add_argument("--dtype", dest="dtypes", nargs="+", choices=list(DTYPES), metavar="DTYPE",

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .report import fmt, header, not_run
+from .workloads import MODES, tensors_moved
 
 if TYPE_CHECKING:
     from .runner import Record, Result
@@ -51,7 +52,7 @@ def write_markdown(result: "Result", path: Path) -> Path:
              f"Inputs: {settings.inputs}, `{settings.dist}`. Cells: median µs (× floor), on a GPU "
              "the GPU time alone (CUDA-graph replay, L2 flushed before each run), elsewhere wall time; "
              "the floor is `x.clone()` timed the same way, scaled to the tensors each mode moves "
-             "(forward 2, backward 3, full 5). *inexact*: relative error above 1e-4 (bf16/fp16: above "
+             f"({', '.join(f'{mode} {tensors_moved(settings.op, mode)}' for mode in MODES)}). *inexact*: relative error above 1e-4 (bf16/fp16: above "
              "their eps) against a float64 oracle."]
     for dtype in settings.dtypes:
         for mode in settings.modes:

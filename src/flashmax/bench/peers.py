@@ -1,9 +1,10 @@
 """The implementations compared: flashmax, the PyTorch sort baseline and published peers, for
-each op (sparsemax, entmax15, entmax_bisect).
+each op (sparsemax, entmax15, entmax_bisect, and the losses sparsemax_loss, entmax15_loss).
 
 Every one is optional: a missing package or a missing GPU makes an `Impl` with a reason, never an
 error. Each runnable one is a function (x, dim) -> y that supports autograd; entmax_bisect's
-loaders give (x, dim, alpha) -> y, and α is bound when the implementation is resolved.
+loaders give (x, dim, alpha) -> y, and α is bound when the implementation is resolved; the
+losses' give (x, target) -> the loss of each row (classes last), and the runner binds target.
 """
 
 import functools
@@ -17,6 +18,8 @@ import torch
 import flashmax
 from flashmax.reference import sparsemax_sort
 from flashmax.reference_entmax import entmax15_sort
+
+from .workloads import LOSS_OPS
 
 SparsemaxFn = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -123,6 +126,30 @@ def _load_adasplash_entmax_bisect() -> SparsemaxFn:
     return _last_dim(triton_entmax)
 
 
+def sort_loss(x: torch.Tensor, target: torch.Tensor, entmax15: bool) -> torch.Tensor:
+    """The loss <p - onehot(target), x> + omega(p) from the sort baseline's p, with torch ops
+    (autograd through the sort)."""
+    p = (entmax15_sort if entmax15 else sparsemax_sort)(x, -1)
+    omega = (1 - (p * p.sqrt()).sum(-1)) / 0.75 if entmax15 else (1 - (p * p).sum(-1)) / 2
+    return (p * x).sum(-1) - x.gather(-1, target.unsqueeze(-1)).squeeze(-1) + omega
+
+
+def _load_flashmax_loss(entmax15: bool):
+    loss = flashmax.entmax15_loss if entmax15 else flashmax.sparsemax_loss
+    return lambda x, target: loss(x, target)
+
+
+def _load_torch_sort_loss(entmax15: bool):
+    return functools.partial(sort_loss, entmax15=entmax15)
+
+
+def _load_entmax_loss(entmax15: bool):
+    from entmax import entmax15_loss, sparsemax_loss
+
+    loss = entmax15_loss if entmax15 else sparsemax_loss
+    return lambda x, target: loss(x, target)
+
+
 @dataclass(frozen=True)
 class Peer:
     name: str
@@ -155,7 +182,15 @@ ENTMAX_BISECT_PEERS = (
     Peer("entmax-bisect", "entmax", _load_entmax_entmax_bisect),
     Peer("adasplash", "adasplash", _load_adasplash_entmax_bisect, min_version="0.2", needs_gpu=True),
 )
-OPS = ("sparsemax", "entmax15", "entmax_bisect")
+def _loss_peers(entmax15: bool) -> tuple[Peer, ...]:
+    return (
+        Peer("flashmax", "flashmax", functools.partial(_load_flashmax_loss, entmax15)),
+        Peer("torch-sort", "torch", functools.partial(_load_torch_sort_loss, entmax15)),
+        Peer("entmax", "entmax", functools.partial(_load_entmax_loss, entmax15)),
+    )
+
+
+OPS = ("sparsemax", "entmax15", "entmax_bisect", *LOSS_OPS)
 DEFAULT_ALPHA = 1.5  # entmax_bisect's, as in the entmax package
 NAMES = tuple(dict.fromkeys(peer.name for peer in PEERS + ENTMAX15_PEERS + ENTMAX_BISECT_PEERS))
 
@@ -179,7 +214,8 @@ def discover(device: torch.device, requested: Sequence[str] | None = None,
     """The implementations of op to show, in leaderboard order: all of them, or those requested.
     alpha: entmax_bisect's α."""
     # Looked up here, not in a module-level table: tests replace PEERS.
-    op_peers = {"sparsemax": PEERS, "entmax15": ENTMAX15_PEERS, "entmax_bisect": ENTMAX_BISECT_PEERS}[op]
+    op_peers = {"sparsemax": PEERS, "entmax15": ENTMAX15_PEERS, "entmax_bisect": ENTMAX_BISECT_PEERS,
+                "sparsemax_loss": _loss_peers(False), "entmax15_loss": _loss_peers(True)}[op]
     return [
         _resolve(peer, device, asked=requested is not None,
                  alpha=alpha if op == "entmax_bisect" else None)

@@ -18,7 +18,7 @@ from flashmax.reference_entmax import entmax15_sort
 from . import peers
 from .report import progress
 from .timing import Budget, Timing, describe_error, measure, measure_graph_replay, peak_extra_mb
-from .workloads import TENSORS_MOVED, Workload, sweep_tokens
+from .workloads import LOSS_OPS, TENSORS_MOVED, Workload, sweep_tokens, tensors_moved
 
 # Datasheet memory bandwidth in bytes/s, matched against the GPU's name.
 DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
@@ -183,8 +183,12 @@ MODE_OPS = {"forward": forward_op, "backward": backward_op, "full": full_op}
 def measure_one(fn: peers.SparsemaxFn, workload: Workload, mode: str, settings: Settings,
                 oracle: "Oracle") -> Measurement:
     device, budget = settings.device, settings.budget
+    x, g = workload.input(device), workload.grad(device)
+    if settings.op in LOSS_OPS:  # (x, target) -> a loss a row, and its gradient one a row
+        loss, target = fn, workload.target(device)
+        fn, g = (lambda x, dim: loss(x, target)), workload.loss_grad(device)
     try:
-        op = MODE_OPS[mode](fn, workload.input(device), workload.grad(device))
+        op = MODE_OPS[mode](fn, x, g)
         rel_error = oracle.error(mode, op())
         peak_mb = peak_extra_mb(op, device)
         timing = measure(op, device, budget)
@@ -205,11 +209,21 @@ class Oracle:
     sorting, α-entmax by flashmax's pure-torch solver (the CPU path, checked against plain
     bisection by the tests) run to convergence. And its gradient: dx = s * g - (sum(s * g) /
     sum(s)) * s with s = y^(2 - α) on the support (1 for sparsemax: g minus its mean over the
-    support; sqrt(y) for entmax-1.5)."""
+    support; sqrt(y) for entmax-1.5). A loss: <p - onehot(target), x> + omega(p) with p by
+    sorting, and g (one a row) times p - onehot(target)."""
 
     def __init__(self, workload: Workload, device: torch.device, op: str = "sparsemax",
                  alpha: float = peers.DEFAULT_ALPHA):
         x, g = workload.input(device).double(), workload.grad(device).double()
+        if op in LOSS_OPS:
+            target, g = workload.target(device), workload.loss_grad(device).double()
+            entmax15 = op == "entmax15_loss"
+            self.y = peers.sort_loss(x, target, entmax15)
+            p = (entmax15_sort if entmax15 else sparsemax_sort)(x, -1)
+            onehot = torch.nn.functional.one_hot(target, x.shape[-1]).double()
+            self.dx = g.unsqueeze(-1) * (p - onehot)
+            self.g_norm = g.norm()
+            return
         if op == "entmax_bisect":
             self.y = reference_bisect.entmax_bisect_forward(x, x.new_full((x.shape[0], 1), alpha), 200, True)
         else:
@@ -232,7 +246,7 @@ class Oracle:
 def to_record(impl: peers.Impl, workload: Workload, mode: str, clone_us: tuple[float, float | None],
               measured: Measurement, settings: Settings, environment: dict) -> Record:
     """clone_us: the clone's (median, graph-replay) times; a clone moves 2 tensors."""
-    scale = TENSORS_MOVED[mode] / TENSORS_MOVED["forward"]
+    scale = tensors_moved(settings.op, mode) / TENSORS_MOVED["forward"]
     floor_us = clone_us[0] * scale
     floor_graph_us = clone_us[1] * scale if clone_us[1] else None
     graph_us = measured.graph.median_us if measured.graph else None
@@ -256,10 +270,10 @@ def to_record(impl: peers.Impl, workload: Workload, mode: str, clone_us: tuple[f
         graph_note=measured.graph_note,
         floor_us=floor_us,
         floor_graph_us=floor_graph_us,
-        datasheet_floor_us=workload.bytes_moved(mode) / bandwidth * 1e6 if bandwidth else None,
+        datasheet_floor_us=workload.bytes_moved(mode, settings.op) / bandwidth * 1e6 if bandwidth else None,
         ratio_to_floor=median_us / floor_us if median_us else None,
         graph_ratio_to_floor=graph_us / floor_graph_us if graph_us and floor_graph_us else None,
-        gbps=workload.bytes_moved(mode) / median_us / 1e3 if median_us else None,
+        gbps=workload.bytes_moved(mode, settings.op) / median_us / 1e3 if median_us else None,
         rel_error=rel_error,
         # NaN compares false: a NaN error is inexact.
         inexact=None if rel_error is None else not rel_error <= inexact_above(workload.torch_dtype),

@@ -11,6 +11,14 @@ MODES = ("forward", "backward", "full")
 # Tensors a mode must read or write at the least (forward: x, y; backward: y, g, dx; full: all five).
 # They set the bytes behind GB/s and the floor: a clone moves two tensors.
 TENSORS_MOVED = {"forward": 2, "backward": 3, "full": 5}
+# The losses (`--op sparsemax_loss`): a loss reads x and writes a number a row; its backward reads x
+# and writes dx (p - onehot(target), recomputed from x rather than stored); both, x twice and dx.
+LOSS_OPS = ("sparsemax_loss", "entmax15_loss")
+LOSS_TENSORS_MOVED = {"forward": 1, "backward": 2, "full": 3}
+
+
+def tensors_moved(op: str, mode: str) -> int:
+    return (LOSS_TENSORS_MOVED if op in LOSS_OPS else TENSORS_MOVED)[mode]
 
 GPU_TOKENS = 2048
 GPU_FEATURES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -62,9 +70,9 @@ class Workload:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def bytes_moved(self, mode: str) -> int:
+    def bytes_moved(self, mode: str, op: str = "sparsemax") -> int:
         element_size = torch.empty((), dtype=self.torch_dtype).element_size()
-        return TENSORS_MOVED[mode] * self.tokens * self.features * element_size
+        return tensors_moved(op, mode) * self.tokens * self.features * element_size
 
     def input(self, device: torch.device) -> torch.Tensor:
         """A fresh x: the same values on every call, so every implementation sees the same input."""
@@ -74,6 +82,15 @@ class Workload:
     def grad(self, device: torch.device) -> torch.Tensor:
         """The upstream gradient g of the backward pass, fixed per workload like x."""
         return _randn(self._shape, self._generator(device, "g"), device).to(self.torch_dtype)
+
+    def target(self, device: torch.device) -> torch.Tensor:
+        """A loss's class index per row, fixed per workload like x."""
+        return torch.randint(self.features, (self.tokens,), generator=self._generator(device, "target"),
+                             device=device)
+
+    def loss_grad(self, device: torch.device) -> torch.Tensor:
+        """The upstream gradient of a loss (one per row), fixed per workload like x."""
+        return _randn((self.tokens,), self._generator(device, "loss g"), device).to(self.torch_dtype)
 
     @property
     def _shape(self) -> tuple[int, int]:
