@@ -75,12 +75,14 @@ def launcher(name):
 LOSS_TARGETS = {}
 
 
-def loss_targets(rows, n, device):
-    """Fixed targets spread over the classes, and a loss gradient of ones, per shape."""
-    key = (rows, n, device)
+def loss_targets(x):
+    """Fixed targets spread over the classes, and a loss gradient of ones, per shape and dtype
+    (made once: inside a timed graph they would be kernels too)."""
+    rows, n = x.shape
+    key = (rows, n, x.dtype, x.device)
     if key not in LOSS_TARGETS:
-        rows_ = torch.arange(rows, device=device)
-        LOSS_TARGETS[key] = (rows_ * 7919 % n, torch.ones(rows, device=device))
+        LOSS_TARGETS[key] = (torch.arange(rows, device=x.device) * 7919 % n,
+                             torch.ones(rows, dtype=x.dtype, device=x.device))
     return LOSS_TARGETS[key]
 
 
@@ -90,12 +92,11 @@ def loss_op(use_entmax15) -> Op:
     sort = entmax15_sort if use_entmax15 else sparsemax_sort
 
     def forward(module, x, out=None, **config):
-        target, ones = loss_targets(*x.shape, x.device)
-        return module.loss(x, target, -100, use_entmax15, grad_loss=ones.to(x.dtype), out=out,
-                           **config)
+        target, ones = loss_targets(x)
+        return module.loss(x, target, -100, use_entmax15, grad_loss=ones, out=out, **config)
 
     def oracle(x):
-        target, _ = loss_targets(*x.shape, x.device)
+        target, _ = loss_targets(x)
         p = sort(x)
         return p - torch.nn.functional.one_hot(target, x.shape[1]).to(p.dtype)
     return Op(entmax_kernels, forward, None, oracle)

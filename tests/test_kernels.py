@@ -71,10 +71,11 @@ def test_forward_fp32_matches_oracle(dist, n):
                                                           device=x.device), atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [300, 1000])  # rows over 16 threads each, one a program
 @pytest.mark.parametrize("chunk", [None, 128], ids=["in-registers", "split"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_forward_half_is_fp32_rounded_once(dtype, chunk):
-    x = make("randn", ROWS, 1000, dtype, seed=1)
+def test_forward_half_is_fp32_rounded_once(dtype, chunk, n):
+    x = make("randn", ROWS, n, dtype, seed=1)
     want = oracle(x.float().cpu()).to(dtype)
     got = forward(x, chunk=chunk).cpu()
     ulp = torch.finfo(dtype).eps
@@ -174,7 +175,9 @@ def test_short_rows_launch(dtype):
             assert launch.block_m == 1, (n, launch)
             continue
         threads = launch.block_n // launch.group // min(vector, launch.block_n)
-        assert threads == min(kernels.ROW_THREADS[max(16, row_bytes)], launch.block_n), (n, launch)
+        want = max(kernels.ROW_THREADS[max(16, row_bytes)],
+                   launch.block_n // kernels.ROW_THREAD_ENTRIES)
+        assert threads == min(want, launch.block_n), (n, launch)
         assert launch.block_m * threads == 32 * launch.num_warps == 32, (n, launch)
         assert launch.thread_rows == (threads == 1), (n, launch)
     assert not kernels.rows_launch(x, 1000, 16, block_m=8).thread_rows  # overrides keep theirs

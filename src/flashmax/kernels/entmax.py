@@ -342,6 +342,12 @@ def loss_kernel(
     off, mask = _row_offsets(block, 0, n_rows, n, 1, x_stride_row, 0, x_stride_n,
                              BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
     x = tl.load(X + off, mask=mask, other=-float("inf"))
+    # The rows' own loads are issued with x's, not after the threshold's search (their latency
+    # would then be paid again: 2x copy at 10 classes, NOTES v32).
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    target = tl.load(T + rows, mask=rows < n_rows, other=ignore_index)
+    if BACKWARD:
+        scale = tl.load(GL + rows, mask=rows < n_rows, other=0.0)
     x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
     row_max = _tile_max(x)
     bad = _is_bad(row_max)
@@ -354,14 +360,11 @@ def loss_kernel(
     else:
         pivot, step, _ = _tile_threshold(z, _group_max(z), SEARCH_GROUP)
         p = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    target = tl.load(T + rows, mask=rows < n_rows, other=ignore_index)
     ignored = target == ignore_index
     cols = tl.arange(0, GROUP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
     is_target = cols[None, :, :] == target[:, None, None]
     if BACKWARD:
-        scale = tl.load(GL + rows, mask=rows < n_rows, other=0.0).to(x.dtype)
-        dx = scale[:, None, None] * (p - is_target.to(x.dtype))
+        dx = scale.to(x.dtype)[:, None, None] * (p - is_target.to(x.dtype))
         dx = tl.where(bad[:, None, None], float("nan"), dx)
         dx = tl.where(ignored[:, None, None], 0.0, dx)
         out_off, _ = _row_offsets(block, 0, n_rows, n, 1, n, 0, 1, BLOCK_M, GROUP, WIDTH, WIDE,
