@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashmax
-from flashmax import Entmax15Loss, SparsemaxLoss, entmax15_loss, sparsemax_loss
+from flashmax import Entmax15Loss, SparsemaxLoss, entmax15_loss, losses, sparsemax_loss
 from oracle import entmax15_oracle, oracle
 
 DEVICE = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu")
@@ -147,11 +147,6 @@ def test_bad_rows_masks_and_empty(name):
 def test_errors(name):
     fn = LOSSES[name][0]
     x, target = scores(4, 5, seed=7)
-    for bad in (5, -1, 100):
-        wrong = target.clone()
-        wrong[2] = bad
-        with pytest.raises(ValueError, match="out of range"):
-            fn(x, wrong)
     with pytest.raises(ValueError, match="reduction"):
         fn(x, target, reduction="avg")
     with pytest.raises(ValueError, match="reduction"):
@@ -164,6 +159,48 @@ def test_errors(name):
         fn(x.long(), target)
     with pytest.raises(ValueError, match="0-d"):
         fn(x[0, 0], target[0])
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("n", [5, 3000])  # the fused kernel on a GPU, and the torch path
+def test_targets_out_of_range(name, n):
+    """On the CPU a ValueError. Elsewhere a check would take a host sync (no CUDA graphs): that
+    row's loss and gradient are NaN, the other rows as they would be."""
+    fn = LOSSES[name][0]
+    x, target = scores(4, n, seed=7)
+    want, want_grad = expected(name, x, target)
+    for bad in (n, -1, 100 * n):
+        wrong = target.clone()
+        wrong[2] = bad
+        if DEVICE == "cpu":
+            with pytest.raises(ValueError, match="out of range"):
+                fn(x, wrong)
+            continue
+        xg = x.clone().requires_grad_()
+        loss = fn(xg, wrong)
+        (dx,) = torch.autograd.grad(loss, xg, torch.ones_like(loss))
+        assert bool(torch.isnan(loss[2])) and bool(torch.isnan(dx[2]).all())
+        keep = [0, 1, 3]
+        torch.testing.assert_close(loss[keep].cpu().double(), want[keep], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dx[keep].cpu().double(), want_grad[keep], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_entmax15", [False, True])
+def test_torch_path_makes_out_of_range_rows_nan(use_entmax15):
+    # The rows CUDA's losses compute with torch ops (rows past the fused kernel's registers),
+    # run here on the CPU, where the public functions raise before reaching them.
+    name = "entmax15" if use_entmax15 else "sparsemax"
+    x, target = scores(4, 6, torch.float64, seed=3)
+    want, want_grad = expected(name, x, target)
+    wrong = target.clone()
+    wrong[1] = 6
+    loss = losses._loss_rows(x, wrong, IGNORE, use_entmax15)
+    dx = losses._gradient_rows(x, wrong, torch.ones(4, dtype=x.dtype, device=x.device), IGNORE,
+                               use_entmax15)
+    assert bool(torch.isnan(loss[1])) and bool(torch.isnan(dx[1]).all())
+    keep = [0, 2, 3]
+    torch.testing.assert_close(loss[keep].cpu(), want[keep], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(dx[keep].cpu(), want_grad[keep], rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -212,19 +249,21 @@ def test_fused_kernel(name, n, dtype):
     target[4] = IGNORE
     x[5, 0] = math.nan
     target[5] = 0
+    target[3] = n  # out of range: NaN
     out = torch.full((7,), POISON, dtype=dtype, device=DEVICE)
     loss = kernels.loss(x, target, IGNORE, use_entmax15, out=out)
     assert loss is out and not bool((loss == POISON).any())
-    want, want_grad = expected(name, x.float() if dtype != torch.float64 else x, target)
+    want, want_grad = expected(name, x.float() if dtype != torch.float64 else x,
+                               target.clamp(max=n - 1))  # row 3's is not compared
     tol = {torch.float64: 1e-12, torch.float32: 2e-6}.get(dtype, 2 * torch.finfo(dtype).eps)
-    assert bool(torch.isnan(loss[5])) and loss[4].item() == 0.0
-    keep = [0, 1, 2, 3, 4, 6]
+    assert bool(torch.isnan(loss[5])) and bool(torch.isnan(loss[3])) and loss[4].item() == 0.0
+    keep = [0, 1, 2, 4, 6]
     torch.testing.assert_close(loss.cpu().double()[keep], want[keep], rtol=tol, atol=tol)
     grad_loss = torch.randn(7, dtype=torch.float64).to(dtype).to(DEVICE)
     out = torch.full(x.shape, POISON, dtype=dtype, device=DEVICE)
     dx = kernels.loss(x, target, IGNORE, use_entmax15, grad_loss=grad_loss, out=out)
     assert dx is out and not bool((dx == POISON).any())
-    assert bool(torch.isnan(dx[5]).all())
+    assert bool(torch.isnan(dx[5]).all()) and bool(torch.isnan(dx[3]).all())
     want_dx = want_grad * grad_loss.cpu().double().unsqueeze(-1)
     torch.testing.assert_close(dx.cpu().double()[keep], want_dx[keep], rtol=0, atol=2 * tol)
 
@@ -240,4 +279,27 @@ def test_public_loss_on_gpu(name, n):
     want_loss, want_grad = expected(name, x.detach(), target)
     torch.testing.assert_close(loss.cpu().double(), want_loss.sum(), rtol=1e-6, atol=1e-5)
     (dx,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(dx.cpu().double(), want_grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("name", LOSSES)
+def test_loss_and_gradient_capture_in_a_cuda_graph(name):
+    # No host sync on a GPU (out-of-range targets give NaN rows instead of a check).
+    fn = LOSSES[name][0]
+    x, target = scores(64, 1000, seed=21)
+    x.requires_grad_()
+    torch.autograd.grad(fn(x, target, reduction="sum"), x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = fn(x, target, reduction="sum")
+        (dx,) = torch.autograd.grad(loss, x)
+    fresh, fresh_target = scores(64, 1000, seed=22)
+    with torch.no_grad():
+        x.copy_(fresh)
+    target.copy_(fresh_target)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_loss, want_grad = expected(name, fresh, fresh_target)
+    torch.testing.assert_close(loss.cpu().double(), want_loss.sum(), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(dx.cpu().double(), want_grad, rtol=0, atol=1e-6)

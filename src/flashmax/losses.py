@@ -12,6 +12,8 @@ recomputing p's threshold in registers instead of storing p. Other tensors (and 
 compute p with `flashmax.sparsemax` / `flashmax.entmax15` and the loss with torch.
 """
 
+import math
+
 import torch
 from torch import nn
 
@@ -27,7 +29,8 @@ def _check_reduction(reduction: str, name: str) -> None:
 
 
 def _check_targets(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
-    """Every target is a class index of x's rows or ignore_index (one host sync)."""
+    """Every target is a class index of x's rows or ignore_index. Only on the CPU: elsewhere it
+    would take a host sync (no CUDA graphs), and such rows come out NaN instead."""
     valid = ((target >= 0) & (target < x.shape[-1])) | (target == ignore_index)
     if not bool(valid.all()):
         bad = target[~valid][0].item()
@@ -41,33 +44,43 @@ def _prediction(x: torch.Tensor, use_entmax15: bool) -> torch.Tensor:
     return entmax15(x) if use_entmax15 else sparsemax(x)
 
 
+def _target_rows(target: torch.Tensor, classes: int, ignore_index: int):
+    """(ignored, invalid, index): the rows whose target is ignore_index; those whose target is
+    neither that nor a class (their loss and gradient are NaN); the targets with both set to
+    class 0, safe to gather with."""
+    ignored = target == ignore_index
+    invalid = ((target < 0) | (target >= classes)) & ~ignored
+    return ignored, invalid, target.masked_fill(ignored | invalid, 0)
+
+
 def _loss_rows(x: torch.Tensor, target: torch.Tensor, ignore_index: int,
                use_entmax15: bool) -> torch.Tensor:
     """The loss of each row of a 2-D x in its compute dtype, with torch ops."""
-    ignored = target == ignore_index
-    if not x.shape[-1]:  # no classes: every target is ignored
-        return x.new_zeros(x.shape[:1])
+    ignored, invalid, index = _target_rows(target, x.shape[-1], ignore_index)
+    if not x.shape[-1]:  # no classes: every row is ignored or invalid
+        return x.new_zeros(x.shape[:1]).masked_fill(invalid, math.nan)
     p = _prediction(x, use_entmax15)
     z = x - x.amax(-1, keepdim=True)
     if use_entmax15:
         omega = (1 - (p * p.sqrt()).sum(-1)) / 0.75
     else:
         omega = (1 - (p * p).sum(-1)) / 2
-    z_target = z.gather(-1, target.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1)
+    z_target = z.gather(-1, index.unsqueeze(-1)).squeeze(-1)
     # -inf entries have p = 0 and take no part (0 * -inf would be NaN).
     loss = torch.where(p > 0, p * z, 0).sum(-1) - z_target + omega
-    return loss.masked_fill(ignored, 0)
+    return loss.masked_fill(invalid, math.nan).masked_fill(ignored, 0)
 
 
 def _gradient_rows(x, target, grad_loss, ignore_index, use_entmax15):
     """grad_loss * (p - onehot(target)) per row of a 2-D x in its compute dtype."""
-    ignored = target == ignore_index
+    ignored, invalid, index = _target_rows(target, x.shape[-1], ignore_index)
     if not x.numel():
         return x.new_zeros(x.shape)
     dx = _prediction(x, use_entmax15)
-    dx.scatter_add_(-1, target.masked_fill(ignored, 0).unsqueeze(-1),
-                    torch.where(ignored, 0, -1).to(dx.dtype).unsqueeze(-1))
-    return (dx * grad_loss.unsqueeze(-1)).masked_fill_(ignored.unsqueeze(-1), 0)
+    dx.scatter_add_(-1, index.unsqueeze(-1),
+                    torch.where(ignored | invalid, 0, -1).to(dx.dtype).unsqueeze(-1))
+    dx = dx * grad_loss.unsqueeze(-1)
+    return dx.masked_fill_(invalid.unsqueeze(-1), math.nan).masked_fill_(ignored.unsqueeze(-1), 0)
 
 
 def _fused(x: torch.Tensor) -> bool:
@@ -77,7 +90,8 @@ def _fused(x: torch.Tensor) -> bool:
 @torch.library.custom_op("flashmax::sparse_loss", mutates_args=())
 def _loss_op(x: torch.Tensor, target: torch.Tensor, ignore_index: int,
              use_entmax15: bool) -> torch.Tensor:
-    _check_targets(x, target, ignore_index)
+    if x.device.type == "cpu":
+        _check_targets(x, target, ignore_index)
     if _fused(x):
         return kernels.loss(x, target, ignore_index, use_entmax15)
     loss = _loss_rows(x.to(compute_dtype(x.dtype)), target, ignore_index, use_entmax15)
@@ -131,12 +145,14 @@ def _double_backward(ctx, grad_dx):
     with torch.enable_grad():
         x = x.detach().requires_grad_()
         p = _prediction(x, ctx.use_entmax15)
-    ignored = (target == ctx.ignore_index).unsqueeze(-1)
+    ignored, invalid, index = _target_rows(target, x.shape[-1], ctx.ignore_index)
+    ignored, invalid = ignored.unsqueeze(-1), invalid.unsqueeze(-1)
     weights = grad_dx.masked_fill(ignored, 0) * grad_loss.unsqueeze(-1)
     (grad_x,) = torch.autograd.grad(p, x, weights)
-    onehot = torch.nn.functional.one_hot(target.masked_fill(ignored.squeeze(-1), 0), x.shape[-1])
+    onehot = torch.nn.functional.one_hot(index, x.shape[-1])
     grad_g = (grad_dx * (p.detach() - onehot)).masked_fill(ignored, 0).sum(-1)
-    return grad_x, None, grad_g, None, None
+    return (grad_x.masked_fill(invalid, math.nan), None,
+            grad_g.masked_fill(invalid.squeeze(-1), math.nan), None, None)
 
 
 _loss_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)

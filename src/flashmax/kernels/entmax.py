@@ -21,11 +21,10 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache
-from .sparsemax import (_add_add, _group_max, _is_bad, _load_y_g, _map_rows, _nan_max,
-                        _row_offsets, _rows, _store_rows, _strided, _support_found, _tile_max,
-                        _tile_threshold, _wide, group_size, kept_launch, launch_config,
-                        launch_gradient_rows, launch_rows, max_block_n, row_align,
-                        rows_launch)
+from .sparsemax import (ROW_THREAD_ENTRIES, _add_add, _group_max, _is_bad, _load_y_g, _map_rows,
+                        _nan_max, _row_offsets, _rows, _store_rows, _strided, _support_found,
+                        _tile_max, _tile_threshold, _wide, group_size, kept_launch, launch_config,
+                        launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -333,7 +332,7 @@ def loss_kernel(
     (1 - sum(p^2)) / 2 for sparsemax and (1 - sum(p^1.5)) / 0.75 for entmax-1.5 (the entmax
     package's definitions; sum(p) = 1 makes the shift exact). The forward writes one loss per
     row to OUT; BACKWARD writes GL[row] * (p - onehot(target)) to OUT, laid out as x. Rows whose
-    target is ignore_index give 0. Laid out as the forward (`rows_launch`, `_map_rows`:
+    target is ignore_index give 0, rows whose target is out of range NaN. Laid out as the forward (`rows_launch`, `_map_rows`:
     THREAD_ROWS, ROW_ALIGN).
     """
     block = tl.program_id(0)
@@ -361,6 +360,8 @@ def loss_kernel(
         pivot, step, _ = _tile_threshold(z, _group_max(z), SEARCH_GROUP)
         p = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
     ignored = target == ignore_index
+    # A target outside the classes makes its row NaN: a check on the host would cost a sync.
+    bad = bad | (((target < 0) | (target >= n)) & ~ignored)
     cols = tl.arange(0, GROUP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
     is_target = cols[None, :, :] == target[:, None, None]
     if BACKWARD:
@@ -419,7 +420,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
         return y
     launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
                 x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
-                prefetch_rows=PREFETCH_ROWS, row_threads=row_threads)
+                prefetch_rows=PREFETCH_ROWS, row_threads=row_threads, thread_entries=None)
     return y
 
 
@@ -462,7 +463,8 @@ def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: boo
     if x.numel() == 0:  # no classes: every row is ignored, and its loss is 0
         return out.zero_()
     x, _ = _strided(x, 1)
-    launch = rows_launch(x, n_rows, n, num_warps, block_m, group=group, row_threads=row_threads)
+    launch = rows_launch(x, n_rows, n, num_warps, block_m, group=group, row_threads=row_threads,
+                         thread_entries=None if entmax15 else ROW_THREAD_ENTRIES)
     x_strides = (x.stride(0), 0, x.stride(1))
     loss_kernel[(launch.programs,)](
         x, target, grad_loss if backward else x, out, n_rows, n, x.stride(0), x.stride(1),

@@ -59,8 +59,8 @@ ONE_ROW_ENTRIES_PER_THREAD = 64
 # programs spreading each row over up to 32 threads, 1.8-2.6x faster from 16 to 256 entries.
 ROW_THREADS = {16: 1, 32: 1, 64: 1, 128: 2, 256: 4, 512: 8, 1024: 8}
 ROW_THREADS_WARPS = 1
-# ... but no thread holds more entries than this: 512 bf16 entries over 16 threads, 1.54x copy
-# against 1.76 over 8 (v32).
+# ... but no sparsemax thread holds more entries than this: 512 bf16 entries over 16 threads,
+# 1.54x copy against 1.76 over 8 (v32; entmax-1.5 lost 9% so, and keeps ROW_THREADS').
 ROW_THREAD_ENTRIES = 32
 # A forward may instead walk several rows a program and load the next before searching this
 # one's threshold, for widths in its `prefetch_rows` (entmax-1.5's); at ~255 registers a thread,
@@ -1143,21 +1143,22 @@ class RowsLaunch(NamedTuple):
 
 
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
-                prefetch_rows=None, group=None, row_threads=None) -> RowsLaunch:
+                prefetch_rows=None, group=None, row_threads=None,
+                thread_entries=ROW_THREAD_ENTRIES) -> RowsLaunch:
     """The launch of a `_map_rows` kernel over rows of x.
     programs_per_sm: None for the heuristic (one row a program, prefetching, for widths from
     prefetch_rows[0] to prefetch_rows[1]; None: never), 0 for one program per block, else that
     many programs per multiprocessor (one multiprocessor off CUDA) walking the blocks.
     row_threads: threads a row is spread over, in chunks of one 16-byte vector (None:
-    ROW_THREADS' for rows of up to 1 KB, at most ROW_THREAD_ENTRIES entries a thread, unless
-    block_m or group is given; longer rows one a program); then ROW_THREADS_WARPS warps and a
-    row a thread-group by default."""
+    ROW_THREADS' for rows of up to 1 KB, at most thread_entries entries a thread where given,
+    unless block_m or group is given; longer rows one a program); then ROW_THREADS_WARPS warps
+    and a row a thread-group by default."""
     block_n = _next_power_of_2(n)
     vector = min(block_n, 16 // x.element_size())
     if row_threads is None and block_m is None and group is None:
         row_threads = ROW_THREADS.get(max(16, block_n * x.element_size()))
-        if row_threads is not None:
-            row_threads = max(row_threads, block_n // ROW_THREAD_ENTRIES)
+        if row_threads is not None and thread_entries:
+            row_threads = max(row_threads, block_n // thread_entries)
     if row_threads is not None:
         width = min(block_n, row_threads * vector)
         num_warps = num_warps or ROW_THREADS_WARPS
@@ -1185,10 +1186,10 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
 
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
-                prefetch_rows=None, row_threads=None):
+                prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices, kept under key."""
     launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
-                         group, row_threads)
+                         group, row_threads, thread_entries)
     launches.launch(key, (launch.programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides),
                     dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
                          WIDE=wide, PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
