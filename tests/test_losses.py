@@ -186,6 +186,20 @@ def test_targets_out_of_range(name, n):
 
 
 @pytest.mark.parametrize("use_entmax15", [False, True])
+def test_no_classes_give_zero_for_ignored_rows_and_nan_for_others(use_entmax15):
+    # Every target is then out of range but ignore_index: the fused kernel's launcher and the
+    # torch path agree.
+    from flashmax.kernels import entmax as kernels
+
+    x = torch.empty(3, 0, device=DEVICE)
+    target = torch.tensor([IGNORE, 0, IGNORE], device=DEVICE)
+    out = torch.full((3,), POISON, device=DEVICE)
+    for loss in (kernels.loss(x, target, IGNORE, use_entmax15, out=out),
+                 losses._loss_rows(x, target, IGNORE, use_entmax15)):
+        assert loss[0].item() == 0.0 and loss[2].item() == 0.0 and bool(torch.isnan(loss[1]))
+
+
+@pytest.mark.parametrize("use_entmax15", [False, True])
 def test_torch_path_makes_out_of_range_rows_nan(use_entmax15):
     # The rows CUDA's losses compute with torch ops (rows past the fused kernel's registers),
     # run here on the CPU, where the public functions raise before reaching them.
