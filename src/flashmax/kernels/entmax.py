@@ -23,10 +23,11 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache
-from .sparsemax import (ROW_THREAD_ENTRIES, _add_add, _group_max, _is_bad, _load_y_g, _map_rows,
-                        _nan_max, _row_offsets, _rows, _store_rows, _strided, _support_found,
-                        _tile_max, _tile_threshold, _wide, group_size, kept_launch, launch_config,
-                        launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
+from .sparsemax import (ROW_THREAD_ENTRIES, _add_add, _compute_dtype, _group_max, _is_bad,
+                        _load_raw_rows, _load_y_g, _map_rows, _nan_max, _row_offsets, _rows,
+                        _store_rows, _strided, _support_found, _tile_max, _tile_threshold, _wide,
+                        group_size, kept_launch, launch_config, launch_gradient_rows,
+                        launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -340,16 +341,15 @@ def loss_kernel(
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
     SEARCH_GROUP: tl.constexpr = 1 if THREAD_ROWS else GROUP
-    off, mask = _row_offsets(block, 0, n_rows, n, 1, x_stride_row, 0, x_stride_n,
-                             BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
-    x = tl.load(X + off, mask=mask, other=-float("inf"))
+    x = _load_raw_rows(X, block, n_rows, n, 1, x_stride_row, 0, x_stride_n, BLOCK_M, GROUP,
+                       WIDTH, WIDE, ROW_ALIGN)
     # The rows' own loads are issued with x's, not after the threshold's search (3-5% faster at
     # 10 and 100 classes, NOTES v32).
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     target = tl.load(T + rows, mask=rows < n_rows, other=ignore_index)
     if BACKWARD:
         scale = tl.load(GL + rows, mask=rows < n_rows, other=0.0)
-    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)
+    x = _compute_dtype(x)
     row_max = _tile_max(x)
     bad = _is_bad(row_max)
     z = x - row_max[:, None, None]
@@ -370,9 +370,7 @@ def loss_kernel(
         dx = scale.to(x.dtype)[:, None, None] * (p - is_target.to(x.dtype))
         dx = tl.where(bad[:, None, None], float("nan"), dx)
         dx = tl.where(ignored[:, None, None], 0.0, dx)
-        out_off, _ = _row_offsets(block, 0, n_rows, n, 1, n, 0, 1, BLOCK_M, GROUP, WIDTH, WIDE,
-                                  ROW_ALIGN)
-        tl.store(OUT + out_off, dx.to(OUT.dtype.element_ty), mask=mask)
+        _store_rows(OUT, dx, block, n_rows, n, 1, n, 0, 1, BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
     else:
         # With omega(p) = (1 - sum(p w)) / c, the loss is (sum(p (c x' - w)) - c x'[target] + 1) / c
         # for x' = x - max: one reduction of one tile, constants exact in any dtype. entmax-1.5:
