@@ -126,12 +126,15 @@ def _load_adasplash_entmax_bisect() -> SparsemaxFn:
     return _last_dim(triton_entmax)
 
 
-def sort_loss(x: torch.Tensor, target: torch.Tensor, entmax15: bool) -> torch.Tensor:
-    """The loss <p - onehot(target), x> + omega(p) from the sort baseline's p, with torch ops
-    (autograd through the sort)."""
-    p = (entmax15_sort if entmax15 else sparsemax_sort)(x, -1)
+def loss_of(p: torch.Tensor, x: torch.Tensor, target: torch.Tensor, entmax15: bool) -> torch.Tensor:
+    """The loss <p - onehot(target), x> + omega(p) of each row, p the prediction for x."""
     omega = (1 - (p * p.sqrt()).sum(-1)) / 0.75 if entmax15 else (1 - (p * p).sum(-1)) / 2
     return (p * x).sum(-1) - x.gather(-1, target.unsqueeze(-1)).squeeze(-1) + omega
+
+
+def sort_loss(x: torch.Tensor, target: torch.Tensor, entmax15: bool) -> torch.Tensor:
+    """The loss from the sort baseline's p, with torch ops (autograd through the sort)."""
+    return loss_of((entmax15_sort if entmax15 else sparsemax_sort)(x, -1), x, target, entmax15)
 
 
 def _load_flashmax_loss(entmax15: bool):

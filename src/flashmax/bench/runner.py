@@ -218,8 +218,8 @@ class Oracle:
         if op in LOSS_OPS:
             target, g = workload.target(device), workload.loss_grad(device).double()
             entmax15 = op == "entmax15_loss"
-            self.y = peers.sort_loss(x, target, entmax15)
             p = (entmax15_sort if entmax15 else sparsemax_sort)(x, -1)
+            self.y = peers.loss_of(p, x, target, entmax15)
             onehot = torch.nn.functional.one_hot(target, x.shape[-1]).double()
             self.dx = g.unsqueeze(-1) * (p - onehot)
             self.g_norm = g.norm()
