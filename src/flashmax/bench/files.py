@@ -48,11 +48,12 @@ def cell(record: "Record | None") -> str:
 def write_markdown(result: "Result", path: Path) -> Path:
     settings = result.settings
     impls = [impl.name for impl in result.impls if impl.available]
+    floors = ", ".join(f"{mode} {tensors_moved(settings.op, mode)}" for mode in MODES)
     lines = [f"# flashmax bench: {settings.title}", "", header(result), "",
              f"Inputs: {settings.inputs}, `{settings.dist}`. Cells: median µs (× floor), on a GPU "
              "the GPU time alone (CUDA-graph replay, L2 flushed before each run), elsewhere wall time; "
              "the floor is `x.clone()` timed the same way, scaled to the tensors each mode moves "
-             f"({', '.join(f'{mode} {tensors_moved(settings.op, mode)}' for mode in MODES)}). *inexact*: relative error above 1e-4 (bf16/fp16: above "
+             f"({floors}). *inexact*: relative error above 1e-4 (bf16/fp16: above "
              "their eps) against a float64 oracle."]
     for dtype in settings.dtypes:
         for mode in settings.modes:

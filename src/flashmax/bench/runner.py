@@ -183,11 +183,11 @@ MODE_OPS = {"forward": forward_op, "backward": backward_op, "full": full_op}
 def measure_one(fn: peers.SparsemaxFn, workload: Workload, mode: str, settings: Settings,
                 oracle: "Oracle") -> Measurement:
     device, budget = settings.device, settings.budget
-    x, g = workload.input(device), workload.grad(device)
-    if settings.op in LOSS_OPS:  # (x, target) -> a loss a row, and its gradient one a row
-        loss, target = fn, workload.target(device)
-        fn, g = (lambda x, dim: loss(x, target)), workload.loss_grad(device)
     try:
+        x, g = workload.input(device), workload.grad(device)
+        if settings.op in LOSS_OPS:  # (x, target) -> a loss a row, and its gradient one a row
+            loss, target = fn, workload.target(device)
+            fn, g = (lambda x, dim: loss(x, target)), workload.loss_grad(device)
         op = MODE_OPS[mode](fn, x, g)
         rel_error = oracle.error(mode, op())
         peak_mb = peak_extra_mb(op, device)
