@@ -28,12 +28,21 @@ def _check_reduction(reduction: str, name: str) -> None:
         raise ValueError(f"{name}: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
 
 
+def _target_rows(target: torch.Tensor, classes: int, ignore_index: int):
+    """(ignored, invalid, index): the rows whose target is ignore_index; those whose target is
+    neither that nor a class (their loss and gradient are NaN); the targets with both set to
+    class 0, safe to gather with."""
+    ignored = target == ignore_index
+    invalid = ((target < 0) | (target >= classes)) & ~ignored
+    return ignored, invalid, target.masked_fill(ignored | invalid, 0)
+
+
 def _check_targets(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
     """Every target is a class index of x's rows or ignore_index. Only on the CPU: elsewhere it
     would take a host sync (no CUDA graphs), and such rows come out NaN instead."""
-    valid = ((target >= 0) & (target < x.shape[-1])) | (target == ignore_index)
-    if not bool(valid.all()):
-        bad = target[~valid][0].item()
+    _, invalid, _ = _target_rows(target, x.shape[-1], ignore_index)
+    if bool(invalid.any()):
+        bad = target[invalid][0].item()
         raise ValueError(
             f"target {bad} is out of range for {x.shape[-1]} classes "
             f"(expected 0 <= target < {x.shape[-1]} or ignore_index={ignore_index})"
@@ -42,15 +51,6 @@ def _check_targets(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> 
 
 def _prediction(x: torch.Tensor, use_entmax15: bool) -> torch.Tensor:
     return entmax15(x) if use_entmax15 else sparsemax(x)
-
-
-def _target_rows(target: torch.Tensor, classes: int, ignore_index: int):
-    """(ignored, invalid, index): the rows whose target is ignore_index; those whose target is
-    neither that nor a class (their loss and gradient are NaN); the targets with both set to
-    class 0, safe to gather with."""
-    ignored = target == ignore_index
-    invalid = ((target < 0) | (target >= classes)) & ~ignored
-    return ignored, invalid, target.masked_fill(ignored | invalid, 0)
 
 
 def _loss_rows(x: torch.Tensor, target: torch.Tensor, ignore_index: int,
