@@ -180,6 +180,12 @@ def test_short_rows_launch(dtype):
         assert threads == min(want, launch.block_n), (n, launch)
         assert launch.block_m * threads == 32 * launch.num_warps == 32, (n, launch)
         assert launch.thread_rows == (threads == 1), (n, launch)
+        # Rows that one access reads fewer entries of: chunks of that many, as many threads.
+        for align in (1, 2):
+            narrow = kernels.rows_launch(x, 1000, n, align=align)
+            assert narrow.block_m == launch.block_m, (n, align, narrow)
+            assert narrow.block_n // narrow.group == min(threads * align, launch.block_n)
+            assert narrow.thread_rows == (threads == 1 or launch.block_n <= align)
     assert not kernels.rows_launch(x, 1000, 16, block_m=8).thread_rows  # overrides keep theirs
 
 
@@ -192,6 +198,7 @@ def test_row_align():
     assert kernels.row_align(x, 8, (9, 0, 1), (8, 0, 1)) == 1
     assert kernels.row_align(x, 8, (8, 0, 1), (16, 3, 1)) == 1
     assert kernels.row_align(x.to(torch.bfloat16), 24, (24, 0, 1), (48, 0, 1)) == 8
+    assert kernels.row_align(x, 8, (8, 0, 1), (1, 8, 8)) == 1  # entries not adjacent
 
 
 @pytest.mark.parametrize("op", ["sparsemax", "entmax15"])

@@ -466,15 +466,14 @@ def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: boo
             out.copy_(torch.where(target == ignore_index, 0.0, math.nan))
         return out
     x, _ = _strided(x, 1)
+    align = row_align(x, n, (x.stride(0), 0, x.stride(1)), (n, 0, 1))
     launch = rows_launch(x, n_rows, n, num_warps, block_m, group=group, row_threads=row_threads,
-                         thread_entries=None if entmax15 else ROW_THREAD_ENTRIES)
-    x_strides = (x.stride(0), 0, x.stride(1))
+                         thread_entries=None if entmax15 else ROW_THREAD_ENTRIES, align=align)
     loss_kernel[(launch.programs,)](
         x, target, grad_loss if backward else x, out, n_rows, n, x.stride(0), x.stride(1),
         ignore_index, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
         ENTMAX15=entmax15, BACKWARD=backward, WIDE=_wide(n, x.stride(1)),
-        THREAD_ROWS=launch.thread_rows, ROW_ALIGN=row_align(x, n, x_strides, (n, 0, 1)),
-        num_warps=launch.num_warps,
+        THREAD_ROWS=launch.thread_rows, ROW_ALIGN=align, num_warps=launch.num_warps,
     )
     return out
 

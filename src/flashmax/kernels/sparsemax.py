@@ -407,9 +407,10 @@ def _load_raw_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, strid
     """BLOCK_M whole rows of X as a [BLOCK_M, GROUP, WIDTH] tile in X's dtype, -inf beyond the
     rows' ends (rows at or past n_rows are not read).
 
-    Triton lays a load's threads along the contiguous axis first (WIDTH, a 16-byte vector
-    each), then along the others in order: the rows, then the chunks. With WIDTH one vector,
-    a warp's threads thus hold 32 rows, one each, a row's chunks in its thread's registers."""
+    Triton lays a load's threads along the contiguous axis first (WIDTH, as many entries a
+    thread as one access reads: ROW_ALIGN's, a 16-byte vector at most), then along the others
+    in order: the rows, then the chunks. With WIDTH one access, a warp's threads thus hold 32
+    rows, one each, a row's chunks in its thread's registers."""
     off, mask = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                              BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
     return tl.load(X + off, mask=mask, other=-float("inf"))
@@ -463,11 +464,12 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
     Without PREFETCH a program does one block. With it, program p does blocks p, p + programs,
     ... and issues the next block's load before working on this one: when all blocks fit in
     about one wave, the programs would otherwise all load, then all compute with memory idle,
-    then all store. THREAD_ROWS: chunks (WIDTH) of one 16-byte vector, so that each row lies in
-    one thread (`_load_raw_rows`); ROWS_FN's reductions along a row are then that thread's own
+    then all store. THREAD_ROWS: chunks (WIDTH) of one access, so that each row lies in one
+    thread (`_load_raw_rows`); ROWS_FN's reductions along a row are then that thread's own
     instructions, and it gets GROUP = 1, as a search over group maxima would only add steps.
-    ROW_ALIGN (`row_align`) lets a thread's chunk be one vector access also when rows are not
-    16-entry multiples long and apart (the only alignment Triton sees by itself).
+    ROW_ALIGN (`row_align`) lets a thread's chunk be one access of up to a 16-byte vector also
+    when rows are not 16-entry multiples long and apart (the only alignment Triton sees by
+    itself).
     """
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
@@ -1144,29 +1146,31 @@ class RowsLaunch(NamedTuple):
 
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, group=None, row_threads=None,
-                thread_entries=ROW_THREAD_ENTRIES) -> RowsLaunch:
+                thread_entries=ROW_THREAD_ENTRIES, align=None) -> RowsLaunch:
     """The launch of a `_map_rows` kernel over rows of x.
     programs_per_sm: None for the heuristic (one row a program, prefetching, for widths from
     prefetch_rows[0] to prefetch_rows[1]; None: never), 0 for one program per block, else that
     many programs per multiprocessor (one multiprocessor off CUDA) walking the blocks.
-    row_threads: threads a row is spread over, in chunks of one 16-byte vector (None:
-    ROW_THREADS' for rows of up to 1 KB, at most thread_entries entries a thread where given,
-    unless block_m or group is given; longer rows one a program); then ROW_THREADS_WARPS warps
-    and a row a thread-group by default."""
+    row_threads: threads a row is spread over, in chunks of one access, `align` entries (the
+    rows' `row_align`; None: a 16-byte vector) (None: ROW_THREADS' for rows of up to 1 KB, at
+    most thread_entries entries a thread where given, unless block_m or group is given; longer
+    rows one a program); then ROW_THREADS_WARPS warps and a row a thread-group by default.
+    Chunks of one access: Triton lays a load's threads along the entries one access covers,
+    so wider chunks would spread a row over more threads than row_threads."""
     block_n = _next_power_of_2(n)
-    vector = min(block_n, 16 // x.element_size())
+    chunk = min(block_n, align or 16 // x.element_size())
     if row_threads is None and block_m is None and group is None:
         row_threads = ROW_THREADS.get(max(16, block_n * x.element_size()))
         if row_threads is not None and thread_entries:
             row_threads = max(row_threads, block_n // thread_entries)
     if row_threads is not None:
-        width = min(block_n, row_threads * vector)
+        width = min(block_n, row_threads * chunk)
         num_warps = num_warps or ROW_THREADS_WARPS
-        block_m = block_m or 32 * num_warps * vector // width
+        block_m = block_m or 32 * num_warps * chunk // width
         blocks = -(-n_rows // block_m)
         programs = walking_programs(blocks, programs_per_sm, x.device)
         return RowsLaunch(programs, block_m, block_n, num_warps, programs < blocks,
-                          block_n // width, width == vector)
+                          block_n // width, width == chunk)
     prefetching = (programs_per_sm is None and block_m is None and prefetch_rows is not None
                    and prefetch_rows[0] <= block_n <= prefetch_rows[1])
     if prefetching or (block_m is None and group is None):
@@ -1188,21 +1192,24 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices, kept under key."""
+    align = row_align(x, n, x_strides, y_strides)
     launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
-                         group, row_threads, thread_entries)
+                         group, row_threads, thread_entries, align)
     launches.launch(key, (launch.programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides),
                     dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
                          WIDE=wide, PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
-                         ROW_ALIGN=row_align(x, n, x_strides, y_strides),
-                         num_warps=launch.num_warps))
+                         ROW_ALIGN=align, num_warps=launch.num_warps))
 
 
 def row_align(x: torch.Tensor, n: int, *strides) -> int:
     """The most entries, up to a 16-byte vector's, that divide n and every row's start, of rows
-    of n entries with (outer, inner, n) strides in tensors of x's dtype (`_row_offsets`). Rows
-    of 8 entries would otherwise be read and written an entry at a time."""
+    of n entries with (outer, inner, n) strides in tensors of x's dtype (`_row_offsets`): the
+    entries one access can read. Rows of 8 entries would otherwise be read and written an entry
+    at a time. 1 where a row's entries are not adjacent (every access is one entry then)."""
     align = 16 // x.element_size()
-    for outer, inner, _ in strides:
+    for outer, inner, stride_n in strides:
+        if stride_n != 1:
+            return 1
         while n % align or outer % align or inner % align:
             align //= 2
     return align
