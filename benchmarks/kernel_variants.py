@@ -1,7 +1,7 @@
 """Check and time kernel variants of sparsemax (or entmax-1.5, --op) on a GPU in one call; a
 short table last.
 
-    python benchmarks/kernel_variants.py [--quick]     (writes $OUT/variants.json when OUT is set)
+    python benchmarks/kernel_variants.py [--quick]     (writes $OUT/variants-OP.json when OUT is set)
 
 Each variant is checked against the fp64 oracle on the input it is timed on, with its output
 poisoned first. Times are GPU time from CUDA-graph replay over enough distinct inputs that
@@ -333,7 +333,7 @@ def main():
                 triton=triton.__version__)
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "variants.json"), "w") as f:
+        with open(os.path.join(out, f"variants-{args.op}.json"), "w") as f:
             json.dump(dict(meta=meta, records=records), f, indent=1)
     print(meta)
     print(f"{'mode':8} {'variant':11} {'shape':>12} {'dtype':8} {'dist':9} {'us':>8} {'floor':>7} "
