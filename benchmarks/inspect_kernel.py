@@ -54,24 +54,28 @@ def parse_value(text: str):
         return text
 
 
-def specialise(fn, dtype: str, consts: dict, aligned_rows=True):
+def specialise(fn, dtype: str, consts: dict, aligned_rows=True, adjacent_rows=False):
     """(signature, constexprs, attrs) of a contiguous-rows launch of fn; without aligned_rows,
-    n and the outer strides are not known to be multiples of 16 (rows of 8 entries, say)."""
+    n and the outer strides are not known to be multiples of 16 (rows of 8 entries, say); with
+    adjacent_rows, rows adjacent in memory instead (a reduced dim that is not the last: stride
+    inner 1, inner and the row's stride multiples of 16)."""
     signature, constexprs, attrs = {}, {}, {}
+    unit = ("stride_inner",) if adjacent_rows else ("stride_n", "stride_inner")
     for index, param in enumerate(fn.params):
         name = param.name
         if param.is_constexpr:
             if name not in consts:
                 raise SystemExit(f"{fn.__name__} needs --const {name}=...")
             signature[name], constexprs[(index,)] = "constexpr", consts[name]
-        elif name.endswith(("stride_n", "stride_inner")) or name == "inner":
+        elif name.endswith(unit) or (name == "inner" and not adjacent_rows):
             signature[name], constexprs[(index,)] = "constexpr", 1
         elif name[:1].isupper():
             signature[name] = "*" + (COMPUTE.get(dtype, "fp32") if name in SCRATCH else dtype)
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"
-            if aligned_rows and (name == "n" or name.endswith("stride_outer")):
+            if aligned_rows and (name in ("n", "inner") or name.endswith(("stride_outer",
+                                                                           "stride_n"))):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs
 
@@ -109,11 +113,14 @@ def main():
     parser.add_argument("--out", help="keep kernel.ttgir, kernel.ptx and kernel.sass here")
     parser.add_argument("--unaligned-rows", action="store_true",
                         help="n and the outer strides not multiples of 16, as the JIT sees them")
+    parser.add_argument("--adjacent-rows", action="store_true",
+                        help="rows adjacent in memory (stride_inner 1), entries strided")
     args = parser.parse_args()
     fn = find_kernel(args.kernel)
     consts = {name: parse_value(value) for name, value in
               (item.split("=", 1) for item in args.const)}
-    signature, constexprs, attrs = specialise(fn, args.dtype, consts, not args.unaligned_rows)
+    signature, constexprs, attrs = specialise(fn, args.dtype, consts, not args.unaligned_rows,
+                                             args.adjacent_rows)
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=args.warps))

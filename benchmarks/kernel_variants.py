@@ -26,11 +26,14 @@ from flashmax.reference_entmax import entmax15_sort
 L2_MULTIPLE_BYTES = 512 * 2**20  # inputs per replay total at least this: ~8x the H200's L2
 
 
-def make(dist, rows, n, dtype, seed):
+def make(dist, rows, n, dtype, seed, columns=False):
+    """rows x n inputs; with columns, n x rows ones, reduced over dim 0 (a row's entries `rows`
+    apart, rows adjacent in memory: an [N, C, H, W] input reduced over C)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(rows, n, device="cuda", generator=g)
+    shape = (n, rows) if columns else (rows, n)
+    x = torch.randn(shape, device="cuda", generator=g)
     if dist == "rand":
-        x = torch.rand(rows, n, device="cuda", generator=g)
+        x = torch.rand(shape, device="cuda", generator=g)
     elif dist == "randn0.01":
         x = x * 0.01
     return x.to(dtype)
@@ -67,8 +70,8 @@ class Op(NamedTuple):
 
 
 def launcher(name):
-    def call(module, *tensors, **config):
-        return getattr(module, name)(*tensors, 1, **config)
+    def call(module, *tensors, dim=1, **config):
+        return getattr(module, name)(*tensors, dim, **config)
     return call
 
 
@@ -257,6 +260,9 @@ def main():
                         help='fp32 backward variants to time, e.g. \'{"c8192": {"chunk": 8192}}\'')
     parser.add_argument("--shapes", nargs="+", metavar="ROWSxN",
                         help="shapes to time with the default kernel only, e.g. 512x131072")
+    parser.add_argument("--columns", action="store_true",
+                        help="rows are the columns of contiguous N x ROWS tensors, reduced "
+                             "over dim 0 (`make`)")
     parser.add_argument("--profile", action="store_true",
                         help="also print each kernel's GPU time on --shapes")
     args = parser.parse_args()
@@ -270,20 +276,29 @@ def main():
                  for module in map(load_module, args.baseline)}
     op = OPS[args.op]
     module = op.module
+    oracle = op.oracle
+    reduce = {}  # the launchers' dim, where not their default (the last)
+    if args.columns:
+        if args.op not in ("sparsemax", "entmax15"):
+            parser.error("--columns times sparsemax or entmax15")
+        reduce = {"dim": 0}
+        oracle = lambda x: op.oracle(x.t()).t()  # noqa: E731
     records = []
     for rows, n in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             n_inputs = max(2, min(64, L2_MULTIPLE_BYTES // (rows * n * dtype.itemsize)))
             for dist in DISTS[dtype]:
-                inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
+                inputs = [make(dist, rows, n, dtype, seed, args.columns)
+                          for seed in range(n_inputs)]
                 floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
                 variants = json.loads(args.variants) if args.variants else FORWARD_VARIANTS
                 if args.shapes and not args.variants_on_shapes:
                     variants = {"default": {}}
-                launchers = {name: forward_launcher(op, module, config, rows, n, dtype)
+                launchers = {name: forward_launcher(op, module, {**config, **reduce}, rows, n,
+                                                    dtype)
                              for name, config in variants.items()}
                 for name, other in baselines.items():
-                    launchers[name] = forward_launcher(op, other, {}, rows, n, dtype)
+                    launchers[name] = forward_launcher(op, other, reduce, rows, n, dtype)
                 for name, fwd in launchers.items():
                     if fwd is None:
                         continue
@@ -295,15 +310,16 @@ def main():
                               f"{str(error)[:300]}", flush=True)
                         continue
                     built = [k for i, k in compiled_forwards(module).items() if i not in before]
-                    err = rel_error(y, inputs[0], op.oracle)
+                    err = rel_error(y, inputs[0], oracle)
                     med, p20, p80 = gpu_time_us(fwd, inputs)
                     records.append(dict(op=args.op, mode="forward", variant=name, n=n, rows=rows,
+                                        columns=args.columns,
                                         dtype=str(dtype)[6:], dist=dist, median_us=med,
                                         p20_us=p20, p80_us=p80, floor_us=floor,
                                         ratio=med / floor, rel_error=err,
                                         kernels=resources(built)))
                 if dist == "randn" and op.backward is not None:
-                    ys = [op.forward(module, x) for x in inputs]
+                    ys = [op.forward(module, x, **reduce) for x in inputs]
                     gs = [torch.randn_like(x) for x in inputs]
                     pairs = list(zip(ys, gs))
                     backward_variants = {"default": {}}
@@ -314,9 +330,10 @@ def main():
                     backwards.update({name: (other, {}) for name, other in baselines.items()})
                     for name, (owner, config) in backwards.items():
                         def backward(p, owner=owner, config=config):
-                            return op.backward(owner, p[0], p[1], **config)
+                            return op.backward(owner, p[0], p[1], **config, **reduce)
                         med, p20, p80 = gpu_time_us(backward, pairs)
                         records.append(dict(op=args.op, mode="backward", variant=name, n=n, rows=rows,
+                                            columns=args.columns,
                                             dtype=str(dtype)[6:], dist=dist, median_us=med,
                                             p20_us=p20, p80_us=p80, floor_us=1.5 * floor,
                                             ratio=med / (1.5 * floor), rel_error=None))

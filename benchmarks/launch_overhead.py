@@ -34,7 +34,7 @@ def main():
     args = (xd, y, 2048, 1024, 1, *strides, *strides)
     meta = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group, WIDE=False,
                 PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
-                ROW_ALIGN=kernels.row_align(xd, 1024, strides, strides))
+                ROW_ALIGN=kernels.row_align(xd, 1024, strides, strides), ADJACENT=False)
     grid = (launch.programs,)
     compiled = kernels.sparsemax_forward_kernel[grid](*args, **meta, num_warps=launch.num_warps)
     stream = torch.cuda.current_stream().cuda_stream

@@ -241,6 +241,53 @@ def test_every_dim_without_copy(dim):
     assert_close_to_oracle(forward(x, dim).cpu(), x.cpu(), dim, rtol=1e-6)
 
 
+def adjacent(rows: torch.Tensor, outer: int = 2) -> torch.Tensor:
+    """rows (R x n) as an [outer, n, R / outer] tensor, contiguous: reduced over dim 1, its rows
+    are adjacent in memory (an [N, C, H, W] input over C)."""
+    return rows.reshape(outer, rows.shape[0] // outer, rows.shape[1]).transpose(1, 2).contiguous()
+
+
+def assert_adjacent_launch(x: torch.Tensor, out: torch.Tensor, dim: int) -> None:
+    outer, inner, x_strides = kernels.rows_view(x, dim)
+    found = kernels.adjacent_rows(x, outer * inner, x.shape[dim], inner, x_strides,
+                                  kernels.rows_view(out, dim)[2])
+    assert found is not None, "this layout should take the adjacent-rows launch"
+
+
+@pytest.mark.parametrize("n", [10, 100, 1000])
+@pytest.mark.parametrize("dist", DISTS)
+def test_adjacent_rows(dist, n):
+    # Rows an outer index not a multiple of a program's (`adjacent_launch`: 64 at 10 entries,
+    # 8 at 100 and 1000).
+    inner = 37 if n < 1000 else 9
+    x = adjacent(make(dist, 2 * inner, n, seed=n))
+    assert_adjacent_launch(x, x, 1)
+    assert_close_to_oracle(forward(x, 1).cpu(), x.cpu(), 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_adjacent_rows_other_dtypes(dtype):
+    x = adjacent(make("randn", 2 * 37, 100, dtype, seed=3))
+    assert_adjacent_launch(x, x, 1)
+    got = forward(x, 1).cpu()
+    if dtype == torch.float64:
+        assert_close_to_oracle(got, x.cpu(), 1, rtol=1e-12)
+    else:
+        want = oracle(x.float().cpu(), 1).to(dtype)
+        ulp = torch.finfo(dtype).eps
+        assert torch.allclose(got.float(), want.float(), rtol=ulp, atol=ulp * 1e-3)
+
+
+def test_adjacent_rows_of_a_transpose():
+    """A 2-D transpose's rows (stride 1 between rows), into an output laid out alike."""
+    x = make("randn", 50, 37, seed=8).t()
+    out = torch.full_like(x, POISON)
+    assert_adjacent_launch(x, out, 1)
+    y = kernels.sparsemax_forward(x, 1, out=out)
+    assert not (y == POISON).any()
+    assert_close_to_oracle(y.cpu(), x.cpu(), 1, rtol=1e-6)
+
+
 @pytest.mark.parametrize("config", [{}, {"chunk": 64}], ids=["in-registers", "split"])
 def test_strided_views(config):
     base = make("randn", 2 * ROWS, 3 * 100, seed=6).reshape(2 * ROWS, 3, 100)

@@ -189,12 +189,12 @@ def entmax15_forward_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
     WIDE: tl.constexpr, PREFETCH: tl.constexpr, THREAD_ROWS: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, ADJACENT: tl.constexpr,
 ):
     """Whole rows held in registers (`_map_rows`)."""
     _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
               y_stride_outer, y_stride_inner, y_stride_n, _entmax15_rows,
-              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH, THREAD_ROWS, ROW_ALIGN)
+              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH, THREAD_ROWS, ROW_ALIGN, ADJACENT)
 
 
 @triton.jit

@@ -62,6 +62,13 @@ ROW_THREADS_WARPS = 1
 # ... but no sparsemax thread holds more entries than this: 512 bf16 entries over 16 threads,
 # 1.54x copy against 1.76 over 8 (v32; entmax-1.5 lost 9% so, and keeps ROW_THREADS').
 ROW_THREAD_ENTRIES = 32
+# Rows adjacent in memory (a reduced dim that is not the last, `adjacent_rows`) are read with a
+# warp's threads along the rows, each holding one 16-byte vector of neighbouring rows' same
+# entry (Triton's layout once it sees them adjacent), spread along a row over as many threads
+# as keep ADJACENT_THREAD_VALUES values a thread (at least 2 threads along the rows: a 32-byte
+# sector), for rows of up to ADJACENT_TILE // vector entries; longer ones take the row layout.
+ADJACENT_THREAD_VALUES = 32
+ADJACENT_TILE = 16384
 # A forward may instead walk several rows a program and load the next before searching this
 # one's threshold, for widths in its `prefetch_rows` (entmax-1.5's); at ~255 registers a thread,
 # PREFETCH_WARPS_PER_SM warps fill a multiprocessor's register file. Sparsemax no longer does:
@@ -376,43 +383,57 @@ def _sparsemax_tile(z, pivot, step, bad, tiny):
 @triton.jit
 def _row_offsets(block, start, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                  BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
-                 WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1):
+                 WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1, ADJACENT: tl.constexpr = False):
     """Offsets and mask of entries start ... start + GROUP * WIDTH of BLOCK_M rows of an
     [outer, n, inner] view, each as a [GROUP, WIDTH] tile of contiguous chunks. ROW_ALIGN: a
     number of entries that divides n and both row strides (`row_align`), said so to Triton,
     which knows an integer's divisibility only by 16: each thread's vectors are then one
-    access each, under one mask bit."""
+    access each, under one mask bit.
+
+    ADJACENT (stride_inner 1, `adjacent_rows`): block b holds BLOCK_M consecutive inner indices
+    of one outer index (cdiv(inner, BLOCK_M) blocks an outer index), rows whose entries are
+    adjacent in memory. Triton then sees that and lays a load's threads along the rows, each
+    access reading neighbouring rows' same entry: a reduced dim that is not the last, read
+    coalesced."""
     if ROW_ALIGN > 1:
         # Identities here, which Triton cannot fold away (`tl.multiple_of` on the offsets would
         # be, with the op it marks).
         n = n // ROW_ALIGN * ROW_ALIGN
         stride_outer = stride_outer // ROW_ALIGN * ROW_ALIGN
         stride_inner = stride_inner // ROW_ALIGN * ROW_ALIGN
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = start + tl.arange(0, GROUP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
-    rows64 = rows.to(tl.int64)
-    base = (rows64 // inner) * stride_outer + (rows64 % inner) * stride_inner
+    if ADJACENT:
+        blocks_per_outer = tl.cdiv(inner, BLOCK_M)
+        at = (block % blocks_per_outer) * BLOCK_M + tl.arange(0, BLOCK_M)
+        base = (block // blocks_per_outer).to(tl.int64) * stride_outer + at
+        row_ok = at < inner
+    else:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
+        base = (rows64 // inner) * stride_outer + (rows64 % inner) * stride_inner
+        row_ok = rows < n_rows
     if WIDE:
         cols_off = cols.to(tl.int64) * stride_n
     else:
         cols_off = cols * stride_n
-    mask = (rows < n_rows)[:, None, None] & (cols < n)[None, :, :]
+    mask = row_ok[:, None, None] & (cols < n)[None, :, :]
     return base[:, None, None] + cols_off[None, :, :], mask
 
 
 @triton.jit
 def _load_raw_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                    BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
-                   WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1):
+                   WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1,
+                   ADJACENT: tl.constexpr = False):
     """BLOCK_M whole rows of X as a [BLOCK_M, GROUP, WIDTH] tile in X's dtype, -inf beyond the
     rows' ends (rows at or past n_rows are not read).
 
     Triton lays a load's threads along the contiguous axis first (WIDTH, as many entries a
     thread as one access reads: ROW_ALIGN's, a 16-byte vector at most), then along the others
     in order: the rows, then the chunks. With WIDTH one access, a warp's threads thus hold 32
-    rows, one each, a row's chunks in its thread's registers."""
+    rows, one each, a row's chunks in its thread's registers. ADJACENT: `_row_offsets`."""
     off, mask = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
-                             BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
+                             BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN, ADJACENT)
     return tl.load(X + off, mask=mask, other=-float("inf"))
 
 
@@ -434,10 +455,10 @@ def _load_rows(X, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
 @triton.jit
 def _store_rows(Y, tile, block, n_rows, n, inner, stride_outer, stride_inner, stride_n,
                 BLOCK_M: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
-                WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1):
+                WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr = 1, ADJACENT: tl.constexpr = False):
     """A tile laid out as `_load_raw_rows`' into BLOCK_M whole rows of Y, in Y's dtype."""
     off, mask = _row_offsets(block, 0, n_rows, n, inner, stride_outer, stride_inner, stride_n,
-                             BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
+                             BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN, ADJACENT)
     tl.store(Y + off, tile.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -457,7 +478,7 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
               y_stride_outer, y_stride_inner, y_stride_n, ROWS_FN: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
               WIDE: tl.constexpr, PREFETCH: tl.constexpr, THREAD_ROWS: tl.constexpr,
-              ROW_ALIGN: tl.constexpr):
+              ROW_ALIGN: tl.constexpr, ADJACENT: tl.constexpr):
     """Y = ROWS_FN(X tile, GROUP, PREFETCHING), BLOCK_M whole rows at a time held in
     registers: one read, one write.
 
@@ -469,13 +490,13 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
     instructions, and it gets GROUP = 1, as a search over group maxima would only add steps.
     ROW_ALIGN (`row_align`) lets a thread's chunk be one access of up to a 16-byte vector also
     when rows are not 16-entry multiples long and apart (the only alignment Triton sees by
-    itself).
+    itself). ADJACENT (`_row_offsets`): rows adjacent in memory, a block each program.
     """
     block = tl.program_id(0)
     WIDTH: tl.constexpr = BLOCK_N // GROUP
     SEARCH_GROUP: tl.constexpr = 1 if THREAD_ROWS else GROUP
     x = _load_raw_rows(X, block, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-                       BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN)
+                       BLOCK_M, GROUP, WIDTH, WIDE, ROW_ALIGN, ADJACENT)
     if PREFETCH:
         programs = tl.num_programs(0)
         for next_block in tl.range(block + programs, tl.cdiv(n_rows, BLOCK_M) + programs,
@@ -491,7 +512,7 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
     else:
         _store_rows(Y, ROWS_FN(_compute_dtype(x), SEARCH_GROUP, False), block, n_rows, n, inner,
                     y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE,
-                    ROW_ALIGN)
+                    ROW_ALIGN, ADJACENT)
 
 
 @triton.jit
@@ -501,12 +522,12 @@ def sparsemax_forward_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
     WIDE: tl.constexpr, PREFETCH: tl.constexpr, THREAD_ROWS: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, ADJACENT: tl.constexpr,
 ):
     """Whole rows held in registers (`_map_rows`)."""
     _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
               y_stride_outer, y_stride_inner, y_stride_n, _sparsemax_rows,
-              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH, THREAD_ROWS, ROW_ALIGN)
+              BLOCK_M, BLOCK_N, GROUP, WIDE, PREFETCH, THREAD_ROWS, ROW_ALIGN, ADJACENT)
 
 
 @triton.jit
@@ -1188,17 +1209,54 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
                       group_size(block_n, x.element_size(), num_warps, group), False)
 
 
+def adjacent_rows(x, n_rows: int, n: int, inner: int, *strides):
+    """(inner, strides) of an [outer, n, inner] view equal to the given one's whose rows are
+    adjacent in memory (stride_inner 1), in every tensor, for `_row_offsets`' ADJACENT; None
+    when they are not, or are longer than ADJACENT_TILE allows. Rows of a 2-D tensor's
+    transpose (inner 1, stride_outer 1) become one outer index of n_rows inner ones."""
+    if _next_power_of_2(n) * (16 // x.element_size()) > ADJACENT_TILE:
+        return None
+    if inner == 1 and all(outer == 1 and stride_n != 1 for outer, _, stride_n in strides):
+        return n_rows, tuple((0, 1, stride_n) for _, _, stride_n in strides)
+    if inner > 1 and all(inner_stride == 1 and stride_n != 1 for _, inner_stride, stride_n in strides):
+        return inner, strides
+    return None
+
+
+def adjacent_launch(x, n_rows: int, n: int, inner: int) -> RowsLaunch:
+    """The launch of a `_map_rows` kernel over adjacent rows (`adjacent_rows`; ADJACENT): each
+    program BLOCK_M rows of one outer index, one 16-byte vector of them a thread, rows whole
+    in the program (THREAD_ROWS: no group search; GROUP the whole row, WIDTH 1)."""
+    block_n = _next_power_of_2(n)
+    vector = 16 // x.element_size()
+    row_threads = max(1, vector * block_n // ADJACENT_THREAD_VALUES)
+    rows_across = max(2, 32 // row_threads)
+    num_warps = max(1, min(16, row_threads * rows_across // 32))
+    block_m = vector * rows_across
+    programs = (n_rows // inner) * -(-inner // block_m)
+    return RowsLaunch(programs, block_m, block_n, num_warps, False, block_n, True)
+
+
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES):
-    """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices, kept under key."""
+    """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices (or, for rows
+    adjacent in memory and no overrides, `adjacent_launch`'s), kept under key."""
     align = row_align(x, n, x_strides, y_strides)
-    launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
-                         group, row_threads, thread_entries, align)
+    adjacent = None
+    if group is None and num_warps is None and block_m is None and row_threads is None:
+        adjacent = adjacent_rows(x, n_rows, n, inner, x_strides, y_strides)
+    if adjacent is None:
+        launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
+                             group, row_threads, thread_entries, align)
+    else:
+        inner, (x_strides, y_strides) = adjacent
+        launch = adjacent_launch(x, n_rows, n, inner)
     launches.launch(key, (launch.programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides),
                     dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
                          WIDE=wide, PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
-                         ROW_ALIGN=align, num_warps=launch.num_warps))
+                         ROW_ALIGN=align, ADJACENT=adjacent is not None,
+                         num_warps=launch.num_warps))
 
 
 def row_align(x: torch.Tensor, n: int, *strides) -> int:
