@@ -74,8 +74,9 @@ def specialise(fn, dtype: str, consts: dict, aligned_rows=True, adjacent_rows=Fa
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"
-            if aligned_rows and (name in ("n", "inner") or name.endswith(("stride_outer",
-                                                                           "stride_n"))):
+            aligned = aligned_rows and not getattr(param, "do_not_specialize_on_alignment", False)
+            if aligned and (name in ("n", "inner") or name.endswith(("stride_outer",
+                                                                      "stride_n"))):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs
 

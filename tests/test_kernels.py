@@ -257,9 +257,9 @@ def assert_adjacent_launch(x: torch.Tensor, out: torch.Tensor, dim: int) -> None
 @pytest.mark.parametrize("n", [10, 100, 1000])
 @pytest.mark.parametrize("dist", DISTS)
 def test_adjacent_rows(dist, n):
-    # Rows an outer index not a multiple of a program's (`adjacent_launch`: 64 at 10 entries,
-    # 8 at 100 and 1000).
-    inner = 37 if n < 1000 else 9
+    # More rows an outer index than a program's, and not a multiple of them (`adjacent_launch`:
+    # 128 at 10 entries, 8 at 100 and 1000).
+    inner = {10: 130, 100: 37, 1000: 9}[n]
     x = adjacent(make(dist, 2 * inner, n, seed=n))
     assert_adjacent_launch(x, x, 1)
     assert_close_to_oracle(forward(x, 1).cpu(), x.cpu(), 1, rtol=1e-6)

@@ -182,7 +182,7 @@ def _entmax15_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     return _entmax_tile(z, pivot, step, _is_bad(row_max))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["x_stride_outer", "y_stride_outer"])  # as sparsemax's
 def entmax15_forward_kernel(
     X, Y, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,

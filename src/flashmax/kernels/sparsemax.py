@@ -63,12 +63,15 @@ ROW_THREADS_WARPS = 1
 # 1.54x copy against 1.76 over 8 (v32; entmax-1.5 lost 9% so, and keeps ROW_THREADS').
 ROW_THREAD_ENTRIES = 32
 # Rows adjacent in memory (a reduced dim that is not the last, `adjacent_rows`) are read with a
-# warp's threads along the rows, each holding one 16-byte vector of neighbouring rows' same
-# entry (Triton's layout once it sees them adjacent), spread along a row over as many threads
-# as keep ADJACENT_THREAD_VALUES values a thread (at least 2 threads along the rows: a 32-byte
-# sector), for rows of up to ADJACENT_TILE // vector entries; longer ones take the row layout.
+# warp's threads along the rows, one entry of a row a thread (Triton's layout once it sees them
+# adjacent, with vectors of one entry, as the forward kernels leave the row strides' alignment to
+# ROW_ALIGN). Rows of up to ADJACENT_THREAD_VALUES entries lie one a thread, 32 a warp, over
+# ADJACENT_ROW_WARPS warps; longer ones over as many threads as keep that many values a thread
+# (fewer rows a warp, but a 32-byte sector of them), up to 16 warps; rows needing more than
+# ADJACENT_MAX_VALUES a thread take the row layout.
 ADJACENT_THREAD_VALUES = 32
-ADJACENT_TILE = 16384
+ADJACENT_ROW_WARPS = 4
+ADJACENT_MAX_VALUES = 64
 # A forward may instead walk several rows a program and load the next before searching this
 # one's threshold, for widths in its `prefetch_rows` (entmax-1.5's); at ~255 registers a thread,
 # PREFETCH_WARPS_PER_SM warps fill a multiprocessor's register file. Sparsemax no longer does:
@@ -515,7 +518,9 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
                     ROW_ALIGN, ADJACENT)
 
 
-@triton.jit
+# The row strides' alignment is left to ROW_ALIGN (`_row_offsets`), so that adjacent rows
+# (ADJACENT) are read one entry a thread rather than in vectors of several rows.
+@triton.jit(do_not_specialize_on_alignment=["x_stride_outer", "y_stride_outer"])
 def sparsemax_forward_kernel(
     X, Y, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
@@ -1212,9 +1217,9 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
 def adjacent_rows(x, n_rows: int, n: int, inner: int, *strides):
     """(inner, strides) of an [outer, n, inner] view equal to the given one's whose rows are
     adjacent in memory (stride_inner 1), in every tensor, for `_row_offsets`' ADJACENT; None
-    when they are not, or are longer than ADJACENT_TILE allows. Rows of a 2-D tensor's
+    when they are not, or are too long for `adjacent_launch`. Rows of a 2-D tensor's
     transpose (inner 1, stride_outer 1) become one outer index of n_rows inner ones."""
-    if _next_power_of_2(n) * (16 // x.element_size()) > ADJACENT_TILE:
+    if adjacent_launch(x, n_rows, n, n_rows) is None:
         return None
     if inner == 1 and all(outer == 1 and stride_n != 1 for outer, _, stride_n in strides):
         return n_rows, tuple((0, 1, stride_n) for _, _, stride_n in strides)
@@ -1223,16 +1228,20 @@ def adjacent_rows(x, n_rows: int, n: int, inner: int, *strides):
     return None
 
 
-def adjacent_launch(x, n_rows: int, n: int, inner: int) -> RowsLaunch:
-    """The launch of a `_map_rows` kernel over adjacent rows (`adjacent_rows`; ADJACENT): each
-    program BLOCK_M rows of one outer index, one 16-byte vector of them a thread, rows whole
-    in the program (THREAD_ROWS: no group search; GROUP the whole row, WIDTH 1)."""
+def adjacent_launch(x, n_rows: int, n: int, inner: int) -> RowsLaunch | None:
+    """The launch of a `_map_rows` kernel over adjacent rows (`adjacent_rows`; ADJACENT), or
+    None for rows too long for it: each program BLOCK_M rows of one outer index, whole
+    (THREAD_ROWS: no group search; GROUP the whole row, WIDTH 1). Triton lays a warp's threads
+    along min(32, BLOCK_M) rows, then along the row; warps along the rows, then along the row."""
     block_n = _next_power_of_2(n)
-    vector = 16 // x.element_size()
-    row_threads = max(1, vector * block_n // ADJACENT_THREAD_VALUES)
-    rows_across = max(2, 32 // row_threads)
-    num_warps = max(1, min(16, row_threads * rows_across // 32))
-    block_m = vector * rows_across
+    row_threads = max(1, block_n // ADJACENT_THREAD_VALUES)
+    if row_threads == 1:
+        block_m, num_warps = 32 * ADJACENT_ROW_WARPS, ADJACENT_ROW_WARPS
+    else:
+        block_m = max(32 // x.element_size(), 32 // row_threads)
+        num_warps = min(16, max(1, row_threads * block_m // 32))
+        if block_n > ADJACENT_MAX_VALUES * num_warps * 32 // block_m:
+            return None
     programs = (n_rows // inner) * -(-inner // block_m)
     return RowsLaunch(programs, block_m, block_n, num_warps, False, block_n, True)
 
