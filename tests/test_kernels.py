@@ -278,6 +278,22 @@ def test_adjacent_rows_other_dtypes(dtype):
         assert torch.allclose(got.float(), want.float(), rtol=ulp, atol=ulp * 1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [10, 200, 1000])
+def test_adjacent_rows_backward(n, dtype):
+    """Rows adjacent in memory, in `launch_config`'s tiles (short ones) or `adjacent_launch`'s
+    (ADJACENT_GRADIENT_ENTRIES: bf16 from 256 entries, fp32 from 512)."""
+    inner = {10: 130, 200: 37, 1000: 9}[n]
+    y = forward(adjacent(make("randn", 2 * inner, n, dtype, seed=n)), 1)
+    g = adjacent(make("randn", 2 * inner, n, dtype, seed=n + 1))
+    if 1 << (n - 1).bit_length() >= kernels.ADJACENT_GRADIENT_ENTRIES[y.element_size()]:
+        assert_adjacent_launch(y, g, 1)
+    dx = kernels.sparsemax_backward(y, g, 1, out=torch.full_like(y, POISON))
+    want = reference.sparsemax_backward(y.movedim(1, -1).double(), g.movedim(1, -1).double())
+    ulp = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+    assert torch.allclose(dx.movedim(1, -1).double(), want, rtol=ulp, atol=ulp)
+
+
 def test_adjacent_rows_of_a_transpose():
     """A 2-D transpose's rows (stride 1 between rows), into an output laid out alike."""
     x = make("randn", 50, 37, seed=8).t()

@@ -23,11 +23,11 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache
-from .sparsemax import (ROW_THREAD_ENTRIES, _add_add, _compute_dtype, _group_max, _is_bad,
-                        _load_raw_rows, _load_y_g, _map_rows, _nan_max, _row_offsets, _rows,
-                        _store_rows, _strided, _support_found, _tile_max, _tile_threshold, _wide,
-                        group_size, kept_launch, launch_config, launch_gradient_rows,
-                        launch_rows, max_block_n, row_align, rows_launch)
+from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, _add_add, _compute_dtype,
+                        _group_max, _is_bad, _load_raw_rows, _load_y_g, _map_rows, _nan_max,
+                        _row_offsets, _rows, _store_rows, _strided, _support_found, _tile_max,
+                        _tile_threshold, _wide, group_size, kept_launch, launch_config,
+                        launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -273,24 +273,25 @@ def _backward_tile(y, g, q):
     return s * g - q[:, None, None] * s
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=GRADIENT_ROW_STRIDES)
 def entmax15_backward_kernel(
     Yp, G, DX, n_rows, n, inner,
     y_stride_outer, y_stride_inner, y_stride_n,
     g_stride_outer, g_stride_inner, g_stride_n,
     dx_stride_outer, dx_stride_inner, dx_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    ADJACENT: tl.constexpr,
 ):
     """dx = s g - (sum(s g) / sum(s)) s, s = sqrt(y): BLOCK_M whole rows per program."""
     block = tl.program_id(0)
     y, g, _ = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
                          y_stride_outer, y_stride_inner, y_stride_n,
                          g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE,
-                         ROW_ALIGN)
+                         ROW_ALIGN, ADJACENT)
     total, norm = _weighted_sums(y, g)
     _store_rows(DX, _backward_tile(y, g, total / norm), block, n_rows, n, inner,
                 dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE,
-                ROW_ALIGN)
+                ROW_ALIGN, ADJACENT)
 
 
 @triton.jit

@@ -72,6 +72,11 @@ ROW_THREAD_ENTRIES = 32
 ADJACENT_THREAD_VALUES = 32
 ADJACENT_ROW_WARPS = 4
 ADJACENT_MAX_VALUES = 64
+# The whole-row backward takes that launch from this many entries a row (padded), by element
+# size; shorter adjacent rows keep `launch_config`'s tiles. Measured on an H200 (NOTES, v34c),
+# adjacent against those tiles, × the 3-tensor floor: fp32 128 entries 1.37 / 1.22, 256 1.70 /
+# 1.51, 512 1.52 / 4.04, 1024 1.52 / 5.89; bf16 128 1.71 / 1.42, 256 1.44 / 3.30, 1024 2.04 / 9.57.
+ADJACENT_GRADIENT_ENTRIES = {2: 256, 4: 512, 8: 512}
 # A forward may instead walk several rows a program and load the next before searching this
 # one's threshold, for widths in its `prefetch_rows` (entmax-1.5's); at ~255 registers a thread,
 # PREFETCH_WARPS_PER_SM warps fill a multiprocessor's register file. Sparsemax no longer does:
@@ -880,14 +885,14 @@ def _load_y_g(Yp, G, block, start, n_rows, n, inner,
               y_stride_outer, y_stride_inner, y_stride_n,
               g_stride_outer, g_stride_inner, g_stride_n,
               BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
-              ROW_ALIGN: tl.constexpr = 1):
+              ROW_ALIGN: tl.constexpr = 1, ADJACENT: tl.constexpr = False):
     """Entries start ... start + WIDTH of BLOCK_M rows of y and g as [BLOCK_M, 1, WIDTH] tiles
-    in y's compute dtype, and the mask (ROW_ALIGN as `_row_offsets`')."""
+    in y's compute dtype, and the mask (ROW_ALIGN, ADJACENT as `_row_offsets`')."""
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
     y_off, mask = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE, ROW_ALIGN)
+                               y_stride_n, BLOCK_M, 1, WIDTH, WIDE, ROW_ALIGN, ADJACENT)
     g_off, _ = _row_offsets(block, start, n_rows, n, inner, g_stride_outer, g_stride_inner,
-                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE, ROW_ALIGN)
+                            g_stride_n, BLOCK_M, 1, WIDTH, WIDE, ROW_ALIGN, ADJACENT)
     y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
     g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
     return y, g, mask
@@ -898,13 +903,18 @@ def _backward_tile(y, g, mean):
     return tl.where(y > 0, g - mean[:, None, None], 0.0)
 
 
-@triton.jit
+# The row strides' alignment as the forward's (`sparsemax_forward_kernel`).
+GRADIENT_ROW_STRIDES = ["y_stride_outer", "g_stride_outer", "dx_stride_outer"]
+
+
+@triton.jit(do_not_specialize_on_alignment=GRADIENT_ROW_STRIDES)
 def sparsemax_backward_kernel(
     Yp, G, DX, n_rows, n, inner,
     y_stride_outer, y_stride_inner, y_stride_n,
     g_stride_outer, g_stride_inner, g_stride_n,
     dx_stride_outer, dx_stride_inner, dx_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    ADJACENT: tl.constexpr,
 ):
     """dx = s * (g - mean of g over s), s = (y > 0): BLOCK_M whole rows per program in
     registers, one read of y and g, one write."""
@@ -912,11 +922,11 @@ def sparsemax_backward_kernel(
     y, g, _ = _load_y_g(Yp, G, block, 0, n_rows, n, inner,
                          y_stride_outer, y_stride_inner, y_stride_n,
                          g_stride_outer, g_stride_inner, g_stride_n, BLOCK_M, BLOCK_N, WIDE,
-                         ROW_ALIGN)
+                         ROW_ALIGN, ADJACENT)
     total, count = _support_sums(y, g)
     _store_rows(DX, _backward_tile(y, g, total / count), block, n_rows, n, inner,
                 dx_stride_outer, dx_stride_inner, dx_stride_n, BLOCK_M, 1, BLOCK_N, WIDE,
-                ROW_ALIGN)
+                ROW_ALIGN, ADJACENT)
 
 
 @triton.jit
@@ -1369,19 +1379,29 @@ class SplitBackward:
 def launch_gradient_rows(launches: LaunchCache, key, y, grad, dim, out, num_warps,
                          block_m) -> torch.Tensor:
     """Launch a backward kernel over whole rows in registers, (Y, G, DX, rows, strides, BLOCK_M,
-    BLOCK_N, WIDE, ROW_ALIGN), into out (new if None); kept under key unless y or grad had to be
-    copied."""
+    BLOCK_N, WIDE, ROW_ALIGN, ADJACENT), into out (new if None); kept under key unless y or
+    grad had to be copied. Rows adjacent in memory in all three tensors, of at least
+    ADJACENT_GRADIENT_ENTRIES, without overrides, take `adjacent_launch`'s launch."""
     dx, y_rows, n_rows, n, inner, y_strides, dx_strides, _ = _rows(y, out, dim, None)
     g_rows, (_, _, g_strides) = _strided(grad, dim)
     if y_rows is not y or g_rows is not grad:
         key = None
-    block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
-    launches.launch(key, (-(-n_rows // block_m),), (y_rows, g_rows, dx),
+    adjacent = None
+    if (num_warps is None and block_m is None
+            and _next_power_of_2(n) >= ADJACENT_GRADIENT_ENTRIES[y.element_size()]):
+        adjacent = adjacent_rows(y, n_rows, n, inner, y_strides, g_strides, dx_strides)
+    if adjacent is None:
+        block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
+        programs = -(-n_rows // block_m)
+    else:
+        inner, (y_strides, g_strides, dx_strides) = adjacent
+        programs, block_m, block_n, num_warps, *_ = adjacent_launch(y, n_rows, n, inner)
+    launches.launch(key, (programs,), (y_rows, g_rows, dx),
                     (n_rows, n, inner, *y_strides, *g_strides, *dx_strides),
                     dict(BLOCK_M=block_m, BLOCK_N=block_n,
                          WIDE=_wide(n, y_strides[2], g_strides[2], dx_strides[2]),
                          ROW_ALIGN=row_align(y, n, y_strides, g_strides, dx_strides),
-                         num_warps=num_warps))
+                         ADJACENT=adjacent is not None, num_warps=num_warps))
     return dx
 
 
