@@ -359,6 +359,28 @@ def test_kernel_every_dim_and_strided_views(kernels, dim):
     check_against_oracle(kernel_forward(kernels, view, dim, chunk=4), view, dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [10, 200, 1000])
+@pytest.mark.parametrize("kind", ["randn", "near_max"])
+def test_kernel_adjacent_rows(kernels, kind, n, dtype):
+    """[2, n, inner] contiguous over dim 1: rows adjacent in memory (`adjacent_rows`), more of
+    them than a program's and not a multiple; forward and backward."""
+    from flashmax.kernels import sparsemax as rows
+
+    inner = {10: 130, 200: 37, 1000: 9}[n]
+    x = make_input((2 * inner, n), -1, dtype, seed=n, kind=kind)
+    x = x.reshape(2, inner, n).transpose(1, 2).contiguous().to(DEVICE)
+    outer, inner, strides = rows.rows_view(x, 1)
+    assert rows.adjacent_rows(x, outer * inner, n, inner, strides, strides) is not None
+    y = kernel_forward(kernels, x, 1)
+    check_against_oracle(y, x, 1)
+    g = make_input(x.shape, 1, dtype, seed=n + 1).to(DEVICE)
+    dx = kernels.entmax15_backward(y, g, 1, out=torch.full_like(y, POISON))
+    want = expected_grad(y.cpu(), g.cpu(), 1)
+    tol = 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(dx.cpu().double(), want, rtol=0, atol=tol * float(g.abs().max()))
+
+
 @pytest.mark.parametrize("chunk", [None, 32], ids=["in-registers", "streamed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_kernel_backward(kernels, chunk, dtype):
