@@ -177,6 +177,22 @@ def test_entmax15_op_runs_its_peers_against_its_oracle(tmp_path):
     assert (tmp_path / "bench.md").read_text().startswith("# flashmax bench: entmax15")
 
 
+@pytest.mark.parametrize("op", ["sparsemax", "entmax15"])
+def test_columns_layout_reduces_a_dim_that_is_not_the_last(tmp_path, op):
+    workload = Workload(4, 16, "fp32", "randn", "columns")
+    assert workload.input(torch.device("cpu")).shape == (16, 4) and workload.dim == 0
+    data = run(tmp_path, "--op", op, "--layout", "columns", "--modes", "forward", "backward", "full")
+    records = data["records"]
+    assert records and {record["layout"] for record in records} == {"columns"}
+    for record in records:
+        assert record["error"] is None, record
+        if record["impl"] in ("flashmax", "torch-sort", "entmax"):
+            assert record["inexact"] is False, record
+    assert "features × tokens, over dim 0" in (tmp_path / "bench.md").read_text()
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--op", "sparsemax_loss", "--layout", "columns", "--device", "cpu"])
+
+
 def test_entmax15_oracle_is_not_sparsemax():
     """Each op's records are checked against its own oracle: sparsemax is inexact as entmax15."""
     workload = Workload(tokens=4, features=16, dtype="fp32", dist="randn")

@@ -11,8 +11,8 @@ from .peers import DEFAULT_ALPHA, NAMES, OPS
 from .runner import Settings, format_bytes, run_bench
 from .timing import Budget
 from .workloads import (CPU_FEATURES, CPU_SWEEP_MAX_FEATURES, CPU_SWEEP_MIN_BYTES, CPU_TOKENS, DISTRIBUTIONS, DTYPES,
-                        GPU_FEATURES, GPU_QUICK_FEATURES, GPU_SWEEP_MIN_BYTES, GPU_TOKENS, MODES, SWEEP_FEATURES,
-                        SWEEP_QUICK_FEATURES)
+                        GPU_FEATURES, GPU_QUICK_FEATURES, GPU_SWEEP_MIN_BYTES, GPU_TOKENS, LAYOUTS, LOSS_OPS,
+                        MODES, SWEEP_FEATURES, SWEEP_QUICK_FEATURES)
 
 FULL_BUDGET = Budget(gpu_ms=100, cpu_runs=5)
 QUICK_BUDGET = Budget(gpu_ms=20, cpu_runs=3)
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dist", choices=list(DISTRIBUTIONS), default="randn",
                        help="input values: randn (default), rand, randn0.01 and randn10 (randn scaled), "
                             "ties (multiples of 1/8 in [0, 1))")
+    bench.add_argument("--layout", choices=LAYOUTS, default="rows",
+                       help="rows (default): tokens × features over the last dim; columns: features × tokens "
+                            "over dim 0, a reduced dim that is not the last (an [N, C, H, W] tensor over C)")
     bench.add_argument("--impls", nargs="+", choices=NAMES, metavar="IMPL",
                        help=f"implementations to run, of {', '.join(NAMES)} (default: all, flashmax alone "
                             "with --sweep; torch-sort-compiled runs on a CPU only when named here)")
@@ -92,6 +95,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error("--min-bytes goes with --sweep")
     if args.alpha and args.op != "entmax_bisect":
         parser.error("--alpha goes with --op entmax_bisect")
+    if args.layout != "rows" and args.op in LOSS_OPS:
+        parser.error("the losses take rows over the last dim: drop --layout")
     device = torch.device(args.device or ("cuda" if has_gpu else "cpu"))
     where = "No GPU found" if not has_gpu else "On the CPU"
     tokens, min_bytes = args.tokens, None
@@ -122,6 +127,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         sweep_min_bytes=min_bytes,
         op=args.op,
         alpha=args.alpha or DEFAULT_ALPHA,
+        layout=args.layout,
     )
 
 

@@ -47,13 +47,15 @@ class Settings:
     sweep_min_bytes: int | None = None  # a sweep: rows per workload for input tensors of at least this
     op: str = "sparsemax"  # one of peers.OPS
     alpha: float = peers.DEFAULT_ALPHA  # entmax_bisect's α
+    layout: str = "rows"  # one of workloads.LAYOUTS
 
     @property
     def sweep(self) -> bool:
         return self.sweep_min_bytes is not None
 
     def workloads(self) -> list[Workload]:
-        return [Workload(self._tokens(f, dtype), f, dtype, self.dist) for dtype in self.dtypes for f in self.features]
+        return [Workload(self._tokens(f, dtype), f, dtype, self.dist, self.layout)
+                for dtype in self.dtypes for f in self.features]
 
     def _tokens(self, features: int, dtype: str) -> int:
         return sweep_tokens(features, dtype, self.sweep_min_bytes) if self.sweep else self.tokens
@@ -66,9 +68,9 @@ class Settings:
     @property
     def inputs(self) -> str:
         """The rows, for titles: a count, or in a sweep how each workload's count is chosen."""
-        if self.sweep:
-            return f"tokens for ≥ {format_bytes(self.sweep_min_bytes)} per tensor"
-        return f"{self.tokens} tokens"
+        rows = (f"tokens for ≥ {format_bytes(self.sweep_min_bytes)} per tensor" if self.sweep
+                else f"{self.tokens} tokens")
+        return rows + (" (features × tokens, over dim 0)" if self.layout == "columns" else "")
 
 
 def format_bytes(size: int) -> str:
@@ -90,6 +92,7 @@ class Record:
     dist: str
     op: str
     alpha: float | None  # entmax_bisect's α; None for the other ops
+    layout: str  # workloads.LAYOUTS: rows over the last dim, or features × tokens over dim 0
     median_us: float | None
     p20_us: float | None
     p80_us: float | None
@@ -156,22 +159,22 @@ def run_bench(settings: Settings) -> Result:
     return Result(settings, impls, records)
 
 
-def forward_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor) -> Callable[[], torch.Tensor]:
-    return lambda: fn(x, -1)
+def forward_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
+    return lambda: fn(x, dim)
 
 
-def backward_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor) -> Callable[[], torch.Tensor]:
+def backward_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
     """The backward pass alone: y is computed once, its graph kept for every timed run."""
     x.requires_grad_()
-    y = fn(x, -1)
+    y = fn(x, dim)
     return lambda: torch.autograd.grad(y, x, g, retain_graph=True)[0]
 
 
-def full_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor) -> Callable[[], tuple]:
+def full_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor, dim: int) -> Callable[[], tuple]:
     x.requires_grad_()
 
     def forward_backward() -> tuple[torch.Tensor, torch.Tensor]:
-        y = fn(x, -1)
+        y = fn(x, dim)
         return y, torch.autograd.grad(y, x, g)[0]
 
     return forward_backward
@@ -188,7 +191,7 @@ def measure_one(fn: peers.SparsemaxFn, workload: Workload, mode: str, settings: 
         if settings.op in LOSS_OPS:  # (x, target) -> a loss a row, and its gradient one a row
             loss, target = fn, workload.target(device)
             fn, g = (lambda x, dim: loss(x, target)), workload.loss_grad(device)
-        op = MODE_OPS[mode](fn, x, g)
+        op = MODE_OPS[mode](fn, x, g, workload.dim)
         rel_error = oracle.error(mode, op())
         peak_mb = peak_extra_mb(op, device)
         timing = measure(op, device, budget)
@@ -214,7 +217,9 @@ class Oracle:
 
     def __init__(self, workload: Workload, device: torch.device, op: str = "sparsemax",
                  alpha: float = peers.DEFAULT_ALPHA):
+        # Rows along the last dim here; results go back to the workload's layout at the end.
         x, g = workload.input(device).double(), workload.grad(device).double()
+        x, g = x.movedim(workload.dim, -1), g.movedim(workload.dim, -1)
         if op in LOSS_OPS:
             target, g = workload.target(device), workload.loss_grad(device).double()
             entmax15 = op == "entmax15_loss"
@@ -231,6 +236,7 @@ class Oracle:
             alpha = 2.0 if op == "sparsemax" else 1.5  # the α these ops are
         s = torch.where(self.y > 0, self.y ** (2 - alpha), 0.0)
         self.dx = s * g - (s * g).sum(-1, keepdim=True) / s.sum(-1, keepdim=True) * s
+        self.y, self.dx = self.y.movedim(-1, workload.dim), self.dx.movedim(-1, workload.dim)
         # dx is all zeros when every support is one entry (randn10, wide rows): measure against g.
         self.g_norm = g.norm()
 
@@ -263,6 +269,7 @@ def to_record(impl: peers.Impl, workload: Workload, mode: str, clone_us: tuple[f
         dist=workload.dist,
         op=settings.op,
         alpha=settings.alpha if settings.op == "entmax_bisect" else None,
+        layout=workload.layout,
         median_us=median_us,
         p20_us=measured.timing.p20_us if measured.timing else None,
         p80_us=measured.timing.p80_us if measured.timing else None,

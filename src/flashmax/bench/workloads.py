@@ -7,6 +7,10 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("forward", "backward", "full")
+# How a workload's rows lie: "rows", a (tokens, features) tensor over its last dim; "columns", a
+# (features, tokens) one over dim 0 — a reduced dim that is not the last, as an [N, C, H, W]
+# tensor over C: a row's entries `tokens` apart, neighbouring rows adjacent in memory.
+LAYOUTS = ("rows", "columns")
 
 # Tensors a mode must read or write at the least (forward: x, y; backward: y, g, dx; full: all five).
 # They set the bytes behind GB/s and the floor: a clone moves two tensors.
@@ -65,6 +69,12 @@ class Workload:
     features: int
     dtype: str
     dist: str
+    layout: str = "rows"  # one of LAYOUTS
+
+    @property
+    def dim(self) -> int:
+        """The dim each row lies along."""
+        return 0 if self.layout == "columns" else -1
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -94,8 +104,10 @@ class Workload:
 
     @property
     def _shape(self) -> tuple[int, int]:
-        return (self.tokens, self.features)
+        return (self.features, self.tokens) if self.layout == "columns" else (self.tokens, self.features)
 
     def _generator(self, device: torch.device, purpose: str) -> torch.Generator:
         key = f"{self.tokens}x{self.features}:{self.dtype}:{self.dist}:{purpose}"
+        if self.layout != "rows":  # rows keep the keys (and inputs) they had before layouts
+            key += f":{self.layout}"
         return torch.Generator(device).manual_seed(zlib.crc32(key.encode()))
