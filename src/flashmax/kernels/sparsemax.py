@@ -1231,9 +1231,11 @@ def adjacent_rows(x, n_rows: int, n: int, inner: int, *strides):
     transpose (inner 1, stride_outer 1) become one outer index of n_rows inner ones."""
     if adjacent_launch(x, n_rows, n, n_rows) is None:
         return None
-    if inner == 1 and all(outer == 1 and stride_n != 1 for outer, _, stride_n in strides):
+    if inner == 1 and all(stride_outer == 1 and stride_n != 1
+                          for stride_outer, _, stride_n in strides):
         return n_rows, tuple((0, 1, stride_n) for _, _, stride_n in strides)
-    if inner > 1 and all(inner_stride == 1 and stride_n != 1 for _, inner_stride, stride_n in strides):
+    if inner > 1 and all(stride_inner == 1 and stride_n != 1
+                         for _, stride_inner, stride_n in strides):
         return inner, strides
     return None
 
