@@ -265,6 +265,13 @@ def test_adjacent_rows(dist, n):
     assert_close_to_oracle(forward(x, 1).cpu(), x.cpu(), 1, rtol=1e-6)
 
 
+@pytest.mark.parametrize("values", [4, 64])
+def test_adjacent_rows_values_a_thread(values):
+    """`adjacent_values` (a benchmark knob): rows over more threads, or fewer."""
+    x = adjacent(make("rand", 2 * 37, 100, seed=values))
+    assert_close_to_oracle(forward(x, 1, adjacent_values=values).cpu(), x.cpu(), 1, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_adjacent_rows_other_dtypes(dtype):
     x = adjacent(make("randn", 2 * 37, 100, dtype, seed=3))

@@ -1240,13 +1240,15 @@ def adjacent_rows(x, n_rows: int, n: int, inner: int, *strides):
     return None
 
 
-def adjacent_launch(x, n_rows: int, n: int, inner: int) -> RowsLaunch | None:
+def adjacent_launch(x, n_rows: int, n: int, inner: int,
+                    values: int = ADJACENT_THREAD_VALUES) -> RowsLaunch | None:
     """The launch of a `_map_rows` kernel over adjacent rows (`adjacent_rows`; ADJACENT), or
     None for rows too long for it: each program BLOCK_M rows of one outer index, whole
-    (THREAD_ROWS: no group search; GROUP the whole row, WIDTH 1). Triton lays a warp's threads
-    along min(32, BLOCK_M) rows, then along the row; warps along the rows, then along the row."""
+    (THREAD_ROWS: no group search; GROUP the whole row, WIDTH 1), about `values` entries of a
+    row a thread. Triton lays a warp's threads along min(32, BLOCK_M) rows, then along the row;
+    warps along the rows, then along the row."""
     block_n = _next_power_of_2(n)
-    row_threads = max(1, block_n // ADJACENT_THREAD_VALUES)
+    row_threads = max(1, block_n // values)
     if row_threads == 1:
         block_m, num_warps = 32 * ADJACENT_ROW_WARPS, ADJACENT_ROW_WARPS
     else:
@@ -1260,19 +1262,23 @@ def adjacent_launch(x, n_rows: int, n: int, inner: int) -> RowsLaunch | None:
 
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
-                prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES):
+                prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES,
+                adjacent_values=ADJACENT_THREAD_VALUES):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices (or, for rows
-    adjacent in memory and no overrides, `adjacent_launch`'s), kept under key."""
+    adjacent in memory and none of rows_launch's overrides, `adjacent_launch`'s with
+    adjacent_values), kept under key."""
     align = row_align(x, n, x_strides, y_strides)
-    adjacent = None
+    adjacent = launch = None
     if group is None and num_warps is None and block_m is None and row_threads is None:
         adjacent = adjacent_rows(x, n_rows, n, inner, x_strides, y_strides)
-    if adjacent is None:
+    if adjacent is not None:
+        launch = adjacent_launch(x, n_rows, n, adjacent[0], adjacent_values)
+    if launch is None:
+        adjacent = None
         launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
                              group, row_threads, thread_entries, align)
     else:
         inner, (x_strides, y_strides) = adjacent
-        launch = adjacent_launch(x, n_rows, n, inner)
     launches.launch(key, (launch.programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides),
                     dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
                          WIDE=wide, PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
@@ -1307,7 +1313,8 @@ def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
 
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
-                      programs_per_sm=None, bound_groups=None, row_threads=None) -> torch.Tensor:
+                      programs_per_sm=None, bound_groups=None, row_threads=None,
+                      adjacent_values=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -1317,12 +1324,14 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
-    `bound_groups` (`SplitRows`), `row_threads` (`rows_launch`). The other keyword arguments
-    override the launch heuristics (benchmarks, tests).
+    `bound_groups` (`SplitRows`), `row_threads` (`rows_launch`), `adjacent_values`
+    (`adjacent_launch`'s values). The other keyword arguments override the launch heuristics
+    (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
-                and programs_per_sm is None and bound_groups is None and row_threads is None)
+                and programs_per_sm is None and bound_groups is None and row_threads is None
+                and adjacent_values is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -1338,7 +1347,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
         return y
     launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
                 x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
-                row_threads=row_threads)
+                row_threads=row_threads,
+                adjacent_values=adjacent_values or ADJACENT_THREAD_VALUES)
     return y
 
 
