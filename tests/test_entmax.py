@@ -371,7 +371,7 @@ def test_kernel_adjacent_rows(kernels, kind, n, dtype):
     x = make_input((2 * inner, n), -1, dtype, seed=n, kind=kind)
     x = x.reshape(2, inner, n).transpose(1, 2).contiguous().to(DEVICE)
     outer, inner, strides = rows.rows_view(x, 1)
-    assert rows.adjacent_rows(x, outer * inner, n, inner, strides, strides) is not None
+    assert rows.adjacent_rows_launch(x, outer * inner, n, inner, (strides, strides)) is not None
     y = kernel_forward(kernels, x, 1)
     check_against_oracle(y, x, 1)
     g = make_input(x.shape, 1, dtype, seed=n + 1).to(DEVICE)

@@ -249,8 +249,8 @@ def adjacent(rows: torch.Tensor, outer: int = 2) -> torch.Tensor:
 
 def assert_adjacent_launch(x: torch.Tensor, out: torch.Tensor, dim: int) -> None:
     outer, inner, x_strides = kernels.rows_view(x, dim)
-    found = kernels.adjacent_rows(x, outer * inner, x.shape[dim], inner, x_strides,
-                                  kernels.rows_view(out, dim)[2])
+    found = kernels.adjacent_rows_launch(x, outer * inner, x.shape[dim], inner,
+                                         (x_strides, kernels.rows_view(out, dim)[2]))
     assert found is not None, "this layout should take the adjacent-rows launch"
 
 

@@ -1224,13 +1224,11 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
                       group_size(block_n, x.element_size(), num_warps, group), False)
 
 
-def adjacent_rows(x, n_rows: int, n: int, inner: int, *strides):
+def adjacent_rows(n_rows: int, inner: int, *strides):
     """(inner, strides) of an [outer, n, inner] view equal to the given one's whose rows are
     adjacent in memory (stride_inner 1), in every tensor, for `_row_offsets`' ADJACENT; None
-    when they are not, or are too long for `adjacent_launch`. Rows of a 2-D tensor's
-    transpose (inner 1, stride_outer 1) become one outer index of n_rows inner ones."""
-    if adjacent_launch(x, n_rows, n, n_rows) is None:
-        return None
+    when they are not. Rows of a 2-D tensor's transpose (inner 1, stride_outer 1) become one
+    outer index of n_rows inner ones."""
     if inner == 1 and all(stride_outer == 1 and stride_n != 1
                           for stride_outer, _, stride_n in strides):
         return n_rows, tuple((0, 1, stride_n) for _, _, stride_n in strides)
@@ -1260,6 +1258,18 @@ def adjacent_launch(x, n_rows: int, n: int, inner: int,
     return RowsLaunch(programs, block_m, block_n, num_warps, False, block_n, True)
 
 
+def adjacent_rows_launch(x, n_rows: int, n: int, inner: int, strides,
+                         values: int = ADJACENT_THREAD_VALUES):
+    """(launch, inner, strides): `adjacent_launch` over rows adjacent in memory in every tensor
+    (`adjacent_rows`, strides one (outer, inner, n) triple a tensor), with the view's inner and
+    strides it takes; None where the rows are not adjacent or too long for it."""
+    adjacent = adjacent_rows(n_rows, inner, *strides)
+    if adjacent is None:
+        return None
+    launch = adjacent_launch(x, n_rows, n, adjacent[0], values)
+    return None if launch is None else (launch, *adjacent)
+
+
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES,
@@ -1268,17 +1278,15 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
     adjacent in memory and none of rows_launch's overrides, `adjacent_launch`'s with
     adjacent_values), kept under key."""
     align = row_align(x, n, x_strides, y_strides)
-    adjacent = launch = None
+    adjacent = None
     if group is None and num_warps is None and block_m is None and row_threads is None:
-        adjacent = adjacent_rows(x, n_rows, n, inner, x_strides, y_strides)
-    if adjacent is not None:
-        launch = adjacent_launch(x, n_rows, n, adjacent[0], adjacent_values)
-    if launch is None:
-        adjacent = None
+        adjacent = adjacent_rows_launch(x, n_rows, n, inner, (x_strides, y_strides),
+                                        adjacent_values)
+    if adjacent is None:
         launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
                              group, row_threads, thread_entries, align)
     else:
-        inner, (x_strides, y_strides) = adjacent
+        launch, inner, (x_strides, y_strides) = adjacent
     launches.launch(key, (launch.programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides),
                     dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
                          WIDE=wide, PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
@@ -1401,13 +1409,13 @@ def launch_gradient_rows(launches: LaunchCache, key, y, grad, dim, out, num_warp
     adjacent = None
     if (num_warps is None and block_m is None
             and _next_power_of_2(n) >= ADJACENT_GRADIENT_ENTRIES[y.element_size()]):
-        adjacent = adjacent_rows(y, n_rows, n, inner, y_strides, g_strides, dx_strides)
+        adjacent = adjacent_rows_launch(y, n_rows, n, inner, (y_strides, g_strides, dx_strides))
     if adjacent is None:
         block_m, block_n, num_warps = launch_config(n_rows, n, num_warps, block_m)
         programs = -(-n_rows // block_m)
     else:
-        inner, (y_strides, g_strides, dx_strides) = adjacent
-        programs, block_m, block_n, num_warps, *_ = adjacent_launch(y, n_rows, n, inner)
+        launch, inner, (y_strides, g_strides, dx_strides) = adjacent
+        programs, block_m, block_n, num_warps = launch[:4]
     launches.launch(key, (programs,), (y_rows, g_rows, dx),
                     (n_rows, n, inner, *y_strides, *g_strides, *dx_strides),
                     dict(BLOCK_M=block_m, BLOCK_N=block_n,
