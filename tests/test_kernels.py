@@ -362,6 +362,27 @@ def test_backward_matches_formula(dtype, n, chunk):
     assert torch.allclose(dx.double(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("chunk", [None, 64], ids=["in-registers", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_reads_grad_on_the_support_alone(dtype, chunk):
+    """g off the support is not read: NaN and inf there leave dx what it is with g zeroed
+    there (and finite). Split into chunks of 64, most of a randn row's chunks lie outside its
+    support and write zeros alone (`sparsemax_split_backward_kernel`)."""
+    x = make("randn", ROWS, 300, dtype, seed=24)
+    y = forward(x)
+    g = make("randn", ROWS, 300, dtype, seed=25)
+    poisoned = g.masked_fill(y == 0, float("nan"))
+    poisoned[:, 1::2] = poisoned[:, 1::2].masked_fill(y[:, 1::2] == 0, float("inf"))
+    out = torch.full(x.shape, POISON, dtype=dtype, device=x.device)
+    dx = kernels.sparsemax_backward(y, poisoned, 1, out=out, chunk=chunk)
+    assert not (dx == POISON).any() and bool(dx.isfinite().all())
+    assert torch.equal(dx, kernels.sparsemax_backward(y, g.masked_fill(y == 0, 0.0), 1,
+                                                      chunk=chunk))
+    want = reference.sparsemax_backward(y.double(), g.double())
+    tol = torch.finfo(dtype).eps * 4
+    assert torch.allclose(dx.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("chunk", [None, 8], ids=["in-registers", "split"])
 def test_entries_at_tau_are_outside_the_support(dtype, chunk):
