@@ -187,16 +187,21 @@ def test_targets_out_of_range(name, n):
 
 @pytest.mark.parametrize("use_entmax15", [False, True])
 def test_no_classes_give_zero_for_ignored_rows_and_nan_for_others(use_entmax15):
-    # Every target is then out of range but ignore_index: the fused kernel's launcher and the
-    # torch path agree.
+    # Every target is then out of range but ignore_index. Such rows take the torch path on
+    # every device: the fused kernel does not take them.
     from flashmax.kernels import entmax as kernels
 
     x = torch.empty(3, 0, device=DEVICE)
     target = torch.tensor([IGNORE, 0, IGNORE], device=DEVICE)
-    out = torch.full((3,), POISON, device=DEVICE)
-    for loss in (kernels.loss(x, target, IGNORE, use_entmax15, out=out),
-                 losses._loss_rows(x, target, IGNORE, use_entmax15)):
-        assert loss[0].item() == 0.0 and loss[2].item() == 0.0 and bool(torch.isnan(loss[1]))
+    loss = losses._loss_rows(x, target, IGNORE, use_entmax15)
+    assert loss[0].item() == 0.0 and loss[2].item() == 0.0 and bool(torch.isnan(loss[1]))
+    assert not kernels.loss_fits(0, x.dtype)
+    with pytest.raises(ValueError, match="0 classes"):
+        kernels.loss(x, target, IGNORE, use_entmax15)
+    fn = flashmax.entmax15_loss if use_entmax15 else flashmax.sparsemax_loss
+    ignored = torch.full((3,), IGNORE, device=DEVICE)
+    assert torch.equal(fn(x, ignored, ignore_index=IGNORE, reduction="none"),
+                       torch.zeros(3, device=DEVICE))
 
 
 @pytest.mark.parametrize("use_entmax15", [False, True])

@@ -16,8 +16,6 @@ the threshold in registers rather than storing p (the same memory traffic as sto
 no state to keep).
 """
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -446,8 +444,9 @@ def entmax15_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, n
 
 
 def loss_fits(n: int, dtype: torch.dtype, chunk=None) -> bool:
-    """Whether rows of n entries fit the fused loss kernel (one program's registers)."""
-    return n <= (max_block_n(dtype) if chunk is None else chunk)
+    """Whether rows of n entries fit the fused loss kernel (one program's registers). Rows of
+    no classes do not: the loss's torch path (`losses._loss_rows`) says what they give."""
+    return 0 < n <= (max_block_n(dtype) if chunk is None else chunk)
 
 
 def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: bool,
@@ -460,11 +459,11 @@ def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: boo
     are)."""
     backward = grad_loss is not None
     n_rows, n = x.shape
+    if not loss_fits(n, x.dtype):
+        raise ValueError(f"rows of {n} classes do not fit the fused loss kernel (`loss_fits`)")
     if out is None:
         out = x.new_empty(x.shape if backward else (n_rows,))
-    if x.numel() == 0:  # no classes: a row's target is ignored (loss 0) or out of range (NaN)
-        if not backward:
-            out.copy_(torch.where(target == ignore_index, 0.0, math.nan))
+    if n_rows == 0:
         return out
     x, _ = _strided(x, 1)
     align = row_align(x, n, (x.stride(0), 0, x.stride(1)), (n, 0, 1))

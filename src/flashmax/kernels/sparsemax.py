@@ -888,8 +888,8 @@ def _load_y_g(Yp, G, block, start, n_rows, n, inner,
               ROW_ALIGN: tl.constexpr = 1, ADJACENT: tl.constexpr = False):
     """Entries start ... start + WIDTH of BLOCK_M rows of y and g as [BLOCK_M, 1, WIDTH] tiles
     in y's compute dtype, and the mask (ROW_ALIGN, ADJACENT as `_row_offsets`'). Both loads
-    are issued at once: reading g on the support alone (`_load_support_g`) made whole rows
-    wait for y first, 12-60% slower (NOTES, v35)."""
+    are issued at once: reading g on the support alone (masked by y > 0) made whole rows wait
+    for y first, 12-60% slower (NOTES, v35)."""
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
     y_off, mask = _row_offsets(block, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
                                y_stride_n, BLOCK_M, 1, WIDTH, WIDE, ROW_ALIGN, ADJACENT)
@@ -898,14 +898,6 @@ def _load_y_g(Yp, G, block, start, n_rows, n, inner,
     y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
     g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
     return y, g, mask
-
-
-@triton.jit
-def _load_support_g(g_pointers, mask, y):
-    """g where y > 0, else 0, in y's dtype: sparsemax's gradient uses g on the support alone,
-    so the rest is not read (a sector of g none of whose entries is in the support is not
-    fetched; a randn row's support holds a few entries of thousands)."""
-    return tl.load(g_pointers, mask=mask & (y > 0), other=0.0).to(y.dtype)
 
 
 @triton.jit
@@ -952,8 +944,10 @@ def sparsemax_split_backward_sums_kernel(
                                   y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
     _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
                                g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
-    y = _compute_dtype(tl.load(Yp + y_off, mask=mask, other=0.0))
-    total, count = _support_sums(y, _load_support_g(G + g_off, mask, y))
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    total, count = _support_sums(y, g)
     tl.store(PART + pid * PART_SIZE + tl.arange(0, 1), total)
     tl.store(PART + pid * PART_SIZE + 1 + tl.arange(0, 1), count)
 
@@ -988,9 +982,10 @@ def sparsemax_split_backward_kernel(
     if outside:
         tl.store(DX + dx_off, tl.zeros(dx_off.shape, DX.dtype.element_ty), mask=mask)
     else:
-        y = _compute_dtype(tl.load(Yp + y_off, mask=mask, other=0.0))
-        g = _load_support_g(G + g_off, mask, y)
-        mean = tl.full([1], 0.0, y.dtype) + total / count
+        compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+        y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+        mean = tl.full([1], 0.0, compute) + total / count
         tl.store(DX + dx_off, _backward_tile(y, g, mean).to(DX.dtype.element_ty), mask=mask)
 
 
