@@ -938,7 +938,10 @@ def sparsemax_split_backward_sums_kernel(
     g_stride_outer, g_stride_inner, g_stride_n,
     CHUNK: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """Split backward pass 1: each chunk's sum of g over the support, and its size."""
+    """Split backward pass 1: each chunk's sum of g over the support, and its size. A chunk
+    outside the support (most of a long randn row's) does not read g: y is counted first, and
+    g read in full only where the count is not 0 (reading g masked by y > 0 instead was 8-12%
+    slower on dense supports, NOTES v35)."""
     pid = tl.program_id(0)
     _, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
                                   y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
@@ -946,8 +949,11 @@ def sparsemax_split_backward_sums_kernel(
                                g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
     y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
-    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
-    total, count = _support_sums(y, g)
+    count = tl.sum(tl.sum((y > 0).to(compute), axis=2), axis=1)
+    total = tl.zeros_like(count)
+    if tl.sum(count, axis=0) > 0:
+        g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+        total, count = _support_sums(y, g)
     tl.store(PART + pid * PART_SIZE + tl.arange(0, 1), total)
     tl.store(PART + pid * PART_SIZE + 1 + tl.arange(0, 1), count)
 
