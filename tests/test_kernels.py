@@ -364,10 +364,11 @@ def test_backward_matches_formula(dtype, n, chunk):
 
 @pytest.mark.parametrize("chunk", [None, 64], ids=["in-registers", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_reads_grad_on_the_support_alone(dtype, chunk):
-    """g off the support is not read: NaN and inf there leave dx what it is with g zeroed
+def test_backward_ignores_grad_off_the_support(dtype, chunk):
+    """g off the support takes no part: NaN and inf there leave dx what it is with g zeroed
     there (and finite). Split into chunks of 64, most of a randn row's chunks lie outside its
-    support and write zeros alone (`sparsemax_split_backward_kernel`)."""
+    support: they read no g, and write zeros without reading y again
+    (`sparsemax_split_backward_sums_kernel`, `sparsemax_split_backward_kernel`)."""
     x = make("randn", ROWS, 300, dtype, seed=24)
     y = forward(x)
     g = make("randn", ROWS, 300, dtype, seed=25)
