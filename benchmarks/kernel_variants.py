@@ -4,7 +4,7 @@ short table last.
     python benchmarks/kernel_variants.py [--quick]     (writes $OUT/variants-OP.json when OUT is set)
 
 Each variant is checked against the fp64 oracle on the input it is timed on, with its output
-poisoned first. Times are GPU time from CUDA-graph replay over enough distinct inputs that
+poisoned first; each backward against the oracle's gradient at the oracle's output. Times are GPU time from CUDA-graph replay over enough distinct inputs that
 every input is read cold from HBM (their total is several times the L2), median of replays,
 and are printed as a ratio to x.clone() of the same shape timed the same way.
 """
@@ -20,8 +20,8 @@ import triton
 
 from flashmax.kernels import entmax as entmax_kernels
 from flashmax.kernels import sparsemax as kernels
-from flashmax.reference import sparsemax_sort
-from flashmax.reference_entmax import entmax15_sort
+from flashmax.reference import sparsemax_backward, sparsemax_sort
+from flashmax.reference_entmax import entmax15_backward, entmax15_sort
 
 L2_MULTIPLE_BYTES = 512 * 2**20  # inputs per replay total at least this: ~8x the H200's L2
 
@@ -62,11 +62,12 @@ def gpu_time_us(fn, inputs, replays=15):
 
 class Op(NamedTuple):
     """What --op times: launchers called on a kernels module (this tree's, or a --baseline's of
-    the same file), and the fp64 oracle of the forward's output."""
+    the same file), and the fp64 oracles of the forward's output and of the backward's."""
     module: object
     forward: Callable  # (module, x, out=None, **overrides) -> output of x's shape
-    backward: Callable | None  # (module, y, grad) -> dx
+    backward: Callable | None  # (module, y, grad, out=None) -> dx
     oracle: Callable  # fp64 x -> the forward's exact output
+    backward_oracle: Callable | None = None  # fp64 (y, grad) -> dx, over the last dim
 
 
 def launcher(name):
@@ -106,15 +107,21 @@ def loss_op(use_entmax15) -> Op:
 
 
 OPS = {"sparsemax": Op(kernels, launcher("sparsemax_forward"), launcher("sparsemax_backward"),
-                       sparsemax_sort),
+                       sparsemax_sort, sparsemax_backward),
        "entmax15": Op(entmax_kernels, launcher("entmax15_forward"),
-                      launcher("entmax15_backward"), entmax15_sort),
+                      launcher("entmax15_backward"), entmax15_sort, entmax15_backward),
        "sparsemax_loss": loss_op(False), "entmax15_loss": loss_op(True)}
 
 
 def rel_error(y, x, oracle):
     ref = oracle(x.double())
     return float((y.double() - ref).norm() / ref.norm())
+
+
+def backward_rel_error(dx, x, grad, oracle, backward_oracle):
+    """dx against the fp64 gradient at the oracle's output y (not at the kernel's)."""
+    ref = backward_oracle(oracle(x.double()), grad.double())
+    return float((dx.double() - ref).norm() / ref.norm())
 
 
 DISTS = {torch.float32: ("randn", "rand", "randn0.01"), torch.bfloat16: ("randn", "rand")}
@@ -283,6 +290,9 @@ def main():
             parser.error("--columns times sparsemax or entmax15")
         reduce = {"dim": 0}
         oracle = lambda x: op.oracle(x.t()).t()  # noqa: E731
+    backward_oracle = op.backward_oracle
+    if args.columns and backward_oracle is not None:
+        backward_oracle = lambda y, g: op.backward_oracle(y.t(), g.t()).t()  # noqa: E731
     records = []
     for rows, n in shapes:
         for dtype in (torch.float32, torch.bfloat16):
@@ -329,14 +339,16 @@ def main():
                                  for name, config in backward_variants.items()}
                     backwards.update({name: (other, {}) for name, other in baselines.items()})
                     for name, (owner, config) in backwards.items():
-                        def backward(p, owner=owner, config=config):
-                            return op.backward(owner, p[0], p[1], **config, **reduce)
+                        def backward(p, owner=owner, config=config, out=None):
+                            return op.backward(owner, p[0], p[1], out=out, **config, **reduce)
+                        dx = backward(pairs[0], out=torch.full_like(ys[0], float("nan")))
+                        err = backward_rel_error(dx, inputs[0], gs[0], oracle, backward_oracle)
                         med, p20, p80 = gpu_time_us(backward, pairs)
                         records.append(dict(op=args.op, mode="backward", variant=name, n=n, rows=rows,
                                             columns=args.columns,
                                             dtype=str(dtype)[6:], dist=dist, median_us=med,
                                             p20_us=p20, p80_us=p80, floor_us=1.5 * floor,
-                                            ratio=med / (1.5 * floor), rel_error=None))
+                                            ratio=med / (1.5 * floor), rel_error=err))
                     del ys, gs, pairs
                 del inputs
                 torch.cuda.empty_cache()
