@@ -264,7 +264,8 @@ def main():
                         help='forward variants to time instead of the built-in ones, e.g. '
                              '\'{"default": {}, "c8192": {"chunk": 8192}}\'')
     parser.add_argument("--backward-variants", metavar="JSON",
-                        help='fp32 backward variants to time, e.g. \'{"c8192": {"chunk": 8192}}\'')
+                        help='backward variants to time (every dtype, on --shapes too), e.g. '
+                             '\'{"default": {}, "w16": {"num_warps": 16}}\'')
     parser.add_argument("--shapes", nargs="+", metavar="ROWSxN",
                         help="shapes to time with the default kernel only, e.g. 512x131072")
     parser.add_argument("--columns", action="store_true",
@@ -333,7 +334,7 @@ def main():
                     gs = [torch.randn_like(x) for x in inputs]
                     pairs = list(zip(ys, gs))
                     backward_variants = {"default": {}}
-                    if args.backward_variants and dtype == torch.float32:
+                    if args.backward_variants:
                         backward_variants = json.loads(args.backward_variants)
                     backwards = {name: (module, config)
                                  for name, config in backward_variants.items()}
