@@ -363,7 +363,7 @@ def test_backward_matches_formula(dtype, n, chunk):
 
 
 @pytest.mark.parametrize("chunk", [None, 64], ids=["in-registers", "split"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_backward_ignores_grad_off_the_support(dtype, chunk):
     """g off the support takes no part: NaN and inf there leave dx what it is with g zeroed
     there (and finite). Split into chunks of 64, most of a randn row's chunks lie outside its
