@@ -4,9 +4,10 @@ short table last.
     python benchmarks/kernel_variants.py [--quick]     (writes $OUT/variants-OP.json when OUT is set)
 
 Each variant is checked against the fp64 oracle on the input it is timed on, with its output
-poisoned first; each backward against the oracle's gradient at the oracle's output. Times are GPU time from CUDA-graph replay over enough distinct inputs that
-every input is read cold from HBM (their total is several times the L2), median of replays,
-and are printed as a ratio to x.clone() of the same shape timed the same way.
+poisoned first; each backward against the oracle's gradient at the oracle's output. Times are
+GPU time from CUDA-graph replay over enough distinct inputs that every input is read cold from
+HBM (their total is several times the L2), median of replays, and are printed as a ratio to
+x.clone() of the same shape timed the same way.
 """
 
 import argparse
@@ -284,15 +285,13 @@ def main():
                  for module in map(load_module, args.baseline)}
     op = OPS[args.op]
     module = op.module
-    oracle = op.oracle
+    oracle, backward_oracle = op.oracle, op.backward_oracle
     reduce = {}  # the launchers' dim, where not their default (the last)
     if args.columns:
-        if args.op not in ("sparsemax", "entmax15"):
+        if args.op not in ("sparsemax", "entmax15"):  # the ops with a backward oracle
             parser.error("--columns times sparsemax or entmax15")
         reduce = {"dim": 0}
         oracle = lambda x: op.oracle(x.t()).t()  # noqa: E731
-    backward_oracle = op.backward_oracle
-    if args.columns and backward_oracle is not None:
         backward_oracle = lambda y, g: op.backward_oracle(y.t(), g.t()).t()  # noqa: E731
     records = []
     for rows, n in shapes:
