@@ -362,6 +362,20 @@ def test_backward_matches_formula(dtype, n, chunk):
     assert torch.allclose(dx.double(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_widest_rows(dtype):
+    # Rows of 32768 entries, the widest held whole: 2-byte ones take GRADIENT_ROW_WARPS' 16
+    # warps (the test checks the values; the warps are the launch's).
+    x = make("randn", 2, 32768, dtype, seed=40)
+    y = reference.sparsemax_sort(x.double()).to(dtype)
+    g = make("randn", 2, 32768, dtype, seed=41)
+    out = torch.full(x.shape, POISON, dtype=dtype, device=x.device)
+    dx = kernels.sparsemax_backward(y, g, 1, out=out)
+    want = reference.sparsemax_backward(y.double(), g.double())
+    tol = torch.finfo(dtype).eps * 4
+    assert torch.allclose(dx.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
 @pytest.mark.parametrize("chunk", [None, 64], ids=["in-registers", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_backward_ignores_grad_off_the_support(dtype, chunk):
