@@ -9,8 +9,8 @@ inserted (TTGIR).
 The launch is specialised as the JIT specialises one over contiguous rows: pointers and the
 row length and outer strides divisible by 16, unit strides and `inner` constant 1. Pointer
 arguments (capitalised names) point to --dtype, scratch ones (PART, STATE) to its compute
-dtype, the rest are i32. Constexprs are given as NAME=VALUE (an int, a tl dtype name, else a
-string).
+dtype, the rest are i32. Constexprs are given as NAME=VALUE (an int, a tl dtype name, a Triton
+function's name, else a string).
 Registers depend on the Triton release: run it with the GPU machine's (triton 3.6 there:
 `pip install --target DIR --no-deps triton==3.6.0`, then PYTHONPATH=DIR:src) and it reports
 what the GPU builds (NOTES v18). `--out DIR` keeps the TTGIR, PTX and SASS.
@@ -36,18 +36,30 @@ SCRATCH = {"PART", "STATE", "STATS", "ROW_MAX", "TAUS", "CENTRE"}
 SASS_OPS = ("BAR", "STS", "LDS", "LDSM", "STSM", "LDG", "STG", "SHFL", "MUFU", "STL", "LDL")
 
 
-def find_kernel(name: str):
+def find_function(name: str):
+    """The Triton function of that name in MODULES, or None."""
     for module_name in MODULES:
-        module = importlib.import_module(module_name)
-        if isinstance(getattr(module, name, None), triton.runtime.JITFunction):
-            return getattr(module, name)
-    raise SystemExit(f"no kernel {name} in {', '.join(MODULES)}")
+        value = getattr(importlib.import_module(module_name), name, None)
+        if isinstance(value, triton.runtime.JITFunction):
+            return value
+    return None
+
+
+def find_kernel(name: str):
+    kernel = find_function(name)
+    if kernel is None:
+        raise SystemExit(f"no kernel {name} in {', '.join(MODULES)}")
+    return kernel
 
 
 def parse_value(text: str):
-    """A tl dtype by name, an int, else the text itself (a string constexpr)."""
+    """A tl dtype by name, an int, a Triton function of MODULES by name (an op's part, e.g.
+    BOUND=_sparsemax_chunk_bound), else the text itself (a string constexpr)."""
     if hasattr(tl, text) and isinstance(getattr(tl, text), tl.dtype):
         return getattr(tl, text)
+    function = find_function(text)
+    if function is not None:
+        return function
     try:
         return int(text)
     except ValueError:

@@ -520,10 +520,10 @@ def test_scatter_assembly_builds_for_sm90(dtype, index, prefetch):
     ptx, constraints = kernels.store_ptx(int(index[3:]) // 8)
     built = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "inspect_kernel.py"),
-         "sparsemax_split_bounds_kernel", "--dtype", dtype, "--warps", "4", "--const",
+         "split_bounds_kernel", "--dtype", dtype, "--warps", "4", "--const",
          f"CHUNK={chunk}", "GROUP=8", f"INDEX={index}", "WIDE=0", f"SCATTER_PTX={ptx}",
          f"SCATTER_CONSTRAINTS={constraints}", f"PREFETCH={prefetch}",
-         f"BOUND_GROUPS={kernels.SPLIT_BOUND_GROUPS[True]}"],
+         f"BOUND_GROUPS={kernels.SPLIT_BOUND_GROUPS[True]}", "BOUND=_sparsemax_chunk_bound"],
         capture_output=True, text=True, env=env, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "registers" in built.stdout, built.stdout

@@ -605,25 +605,33 @@ def _scatter(pointers, bits, keep, PTX: tl.constexpr, CONSTRAINTS: tl.constexpr)
 
 
 @triton.jit
+def _sparsemax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr):
+    """A lower bound on the row's tau from a chunk's group maxima less the chunk's max
+    ([1, 1, W]): a Newton iterate for their tau, stopped once at most BOUND_GROUPS of them lie
+    above it (at most GROUP x BOUND_GROUPS candidates), or exact with 0."""
+    pivot, step, _, _ = _newton_threshold(group_d, tl.full([1], -1.0, group_d.dtype),
+                                          BOUND_GROUPS)
+    return pivot + step
+
+
+@triton.jit
 def _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner,
                   y_stride_outer, y_stride_inner, y_stride_n,
                   CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr,
                   WIDE: tl.constexpr, SCATTER_PTX: tl.constexpr,
-                  SCATTER_CONSTRAINTS: tl.constexpr, BOUND_GROUPS: tl.constexpr):
+                  SCATTER_CONSTRAINTS: tl.constexpr, BOUND_GROUPS: tl.constexpr,
+                  BOUND: tl.constexpr):
     """Split pass 1's work on chunk pid, loaded as x_in: the chunk's max, a lower bound on the
-    row's tau relative to that max (a Newton iterate for the tau of the chunk's group maxima,
-    stopped once at most BOUND_GROUPS of them lie above it, or exact with 0), and its
-    candidates: the entries above that bound, a superset of the chunk's part of the row's
-    support (at most GROUP x BOUND_GROUPS of them when stopped early). When they
-    fill at most half the chunk, they are stored in the output's chunk (values, then their
-    indices as INDEX bits), so that later passes need not read the chunk again."""
+    row's threshold relative to that max (BOUND: the op's, `_sparsemax_chunk_bound` or
+    entmax-1.5's, from the chunk's group maxima), and its candidates: the entries above that
+    bound, a superset of the chunk's part of the row's support. When they fill at most half
+    the chunk, they are stored in the output's chunk (values, then their indices as INDEX
+    bits), so that later passes need not read the chunk again."""
     row = pid // n_splits
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
     group_max = _group_max(x)
     chunk_max = _row_max(group_max)
-    pivot, step, _, _ = _newton_threshold(tl.expand_dims(group_max - chunk_max[:, None], 1),
-                                          tl.full([1], -1.0, x.dtype), BOUND_GROUPS)
-    bound = pivot + step
+    bound = BOUND(tl.expand_dims(group_max - chunk_max[:, None], 1), BOUND_GROUPS)
     # A margin of a few ulps: the later passes compare in the row's coordinates, rounded
     # differently, and must never find a support entry that is not a candidate.
     keep = (x - chunk_max[:, None, None]) > (bound - tl.abs(bound) * CANDIDATE_MARGIN)[:, None, None]
@@ -650,13 +658,13 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner,
 
 
 @triton.jit
-def sparsemax_split_bounds_kernel(
+def split_bounds_kernel(
     X, Y, PART, n_splits, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
     SCATTER_PTX: tl.constexpr, SCATTER_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr,
-    BOUND_GROUPS: tl.constexpr,
+    BOUND_GROUPS: tl.constexpr, BOUND: tl.constexpr,
 ):
     """Split pass 1 (`_chunk_bounds`), one chunk per program; with PREFETCH program p does
     chunks p, p + programs, ... and loads the next one before working on this one, as
@@ -675,13 +683,33 @@ def sparsemax_split_bounds_kernel(
             x_next = tl.load(X + off, mask=mask, other=-float("inf"))
             _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner, y_stride_outer,
                           y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
-                          SCATTER_CONSTRAINTS, BOUND_GROUPS)
+                          SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND)
             x_in = x_next
             pid = following
     else:
         _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner, y_stride_outer, y_stride_inner,
                       y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX, SCATTER_CONSTRAINTS,
-                      BOUND_GROUPS)
+                      BOUND_GROUPS, BOUND)
+
+
+@triton.jit
+def _candidate_values(X, Y, row, splits, stored, width, offset, inner,
+                      x_stride_outer, x_stride_inner, x_stride_n,
+                      y_stride_outer, y_stride_inner, y_stride_n,
+                      CHUNK: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr):
+    """Candidates offset ... offset + WIDTH of the chunks `splits` [SPLITS] of a split row
+    (`_chunk_extent`'s stored and width: the stored ones, or the whole chunk where none were),
+    as x's values [SPLITS, WIDTH], -inf past each chunk's width."""
+    slot = offset + tl.arange(0, WIDTH)[None, :]
+    cols = splits[:, None] * CHUNK + slot
+    live = slot < width[:, None]
+    cand = tl.load(Y + _entry_offsets(row, cols, inner, y_stride_outer, y_stride_inner,
+                                      y_stride_n, WIDE),
+                   mask=live & stored[:, None], other=-float("inf"))
+    whole = tl.load(X + _entry_offsets(row, cols, inner, x_stride_outer, x_stride_inner,
+                                       x_stride_n, WIDE),
+                    mask=live & ~stored[:, None], other=-float("inf"))
+    return tl.where(stored[:, None], cand.to(X.dtype.element_ty), whole)
 
 
 @triton.jit
@@ -691,8 +719,7 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
                     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
                     WIDE: tl.constexpr):
     """`_step_sums` of a split row at each of the taus [P] (centre [P]) over its chunks'
-    candidates (the stored ones; a chunk that stored none is read whole), SPLITS chunks times
-    WIDTH entries at a time."""
+    candidates (`_candidate_values`), SPLITS chunks times WIDTH entries at a time."""
     total = tl.zeros_like(tau)
     count = tl.zeros_like(tau)
     smallest = tl.full(tau.shape, float("inf"), tau.dtype)
@@ -701,19 +728,35 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
         length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
         width = tl.where(stored, stored_count, length)
         for offset in range(0, tl.max(width, 0), WIDTH):
-            slot = offset + tl.arange(0, WIDTH)[None, :]
-            cols = splits[:, None] * CHUNK + slot
-            live = slot < width[:, None]
-            cand = tl.load(Y + _entry_offsets(row, cols, inner, y_stride_outer, y_stride_inner,
-                                              y_stride_n, WIDE),
-                           mask=live & stored[:, None], other=-float("inf"))
-            whole = tl.load(X + _entry_offsets(row, cols, inner, x_stride_outer, x_stride_inner,
-                                               x_stride_n, WIDE),
-                            mask=live & ~stored[:, None], other=-float("inf"))
-            z = tl.where(stored[:, None], cand.to(tau.dtype), whole.to(tau.dtype)) - row_max
-            sums = _step_sums(tl.expand_dims(z, 0), tau, centre)
+            x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
+                                  x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
+                                  y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE)
+            sums = _step_sums(tl.expand_dims(x.to(tau.dtype) - row_max, 0), tau, centre)
             total, count, smallest = _add_add_min(total, count, smallest, *sums)
     return total, count, smallest
+
+
+@triton.jit
+def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.constexpr):
+    """A split row's max [1] from its chunks' (PART), and their best bound on its threshold
+    relative to that max (-1 where no chunk has a finite entry)."""
+    row_max = tl.full([1], -float("inf"), compute)
+    for first in range(0, n_splits, SPLITS):
+        splits = first + tl.arange(0, SPLITS)
+        part = PART + (row * n_splits + splits) * PART_SIZE
+        chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
+        row_max = _nan_max(row_max, tl.reduce(chunk_max, 0, _nan_max))
+    bound = tl.full([1], -1.0, compute)
+    for first in range(0, n_splits, SPLITS):
+        splits = first + tl.arange(0, SPLITS)
+        part = PART + (row * n_splits + splits) * PART_SIZE
+        chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
+        # A chunk's bound in the row's coordinates; chunks with no finite entry bound nothing.
+        chunk_bound = (chunk_max - row_max) + tl.load(part + PART_BOUND, mask=splits < n_splits,
+                                                      other=0.0)
+        bound = tl.maximum(bound, tl.max(tl.where(chunk_max > -float("inf"), chunk_bound, -1.0),
+                                         0))
+    return row_max, bound
 
 
 @triton.jit
@@ -727,22 +770,7 @@ def sparsemax_split_threshold_kernel(
     chunk bound over the chunks' candidates."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    row_max = tl.full([1], -float("inf"), compute)
-    for first in range(0, n_splits, SPLITS):
-        splits = first + tl.arange(0, SPLITS)
-        part = PART + (row * n_splits + splits) * PART_SIZE
-        chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
-        row_max = _nan_max(row_max, tl.reduce(chunk_max, 0, _nan_max))
-    tau = tl.full([1], -1.0, compute)
-    for first in range(0, n_splits, SPLITS):
-        splits = first + tl.arange(0, SPLITS)
-        part = PART + (row * n_splits + splits) * PART_SIZE
-        chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
-        # A chunk's bound in the row's coordinates; chunks with no finite entry bound nothing.
-        chunk_tau = (chunk_max - row_max) + tl.load(part + PART_BOUND, mask=splits < n_splits,
-                                                    other=0.0)
-        tau = tl.maximum(tau, tl.max(tl.where(chunk_max > -float("inf"), chunk_tau, -1.0), 0))
-
+    row_max, tau = _split_row_start(PART, row, n_splits, SPLITS, compute)
     pivot = tau
     step = tl.zeros_like(tau)
     centre = tl.zeros_like(tau)
@@ -814,16 +842,17 @@ def sparsemax_split_sums_kernel(
 
 
 @triton.jit
-def sparsemax_split_write_kernel(
+def split_write_kernel(
     X, Y, PART, STATE, n_splits, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, SPARSE: tl.constexpr, INDEX: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, OUTPUTS: tl.constexpr,
 ):
-    """Split pass 3, one chunk per program. A chunk that stored at most SPARSE candidates
-    writes zeros and then its candidates' outputs, reading nothing but them; the other chunks
-    are read again."""
+    """Split pass 3, one chunk per program: the outputs OUTPUTS(x - max, pivot, step, bad,
+    zero_below) (the op's, `_outputs_within` or entmax-1.5's). A chunk that stored at most
+    SPARSE candidates writes zeros and then its candidates' outputs, reading nothing but them;
+    the other chunks are read again."""
     pid = tl.program_id(0)
     row = pid // n_splits
     state = STATE + row * STATE_SIZE
@@ -850,8 +879,8 @@ def sparsemax_split_write_kernel(
         zero = tl.where(bad, float("nan"), 0.0)[:, None, None] + tl.zeros(mask.shape, tl.float32)
         tl.store(Y + y_off, zero.to(Y.dtype.element_ty), mask=mask)
         tl.debug_barrier()
-        cand_z = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
-        cand_y = _outputs_within(cand_z, pivot, step, bad, zero_below)
+        cand_d = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
+        cand_y = OUTPUTS(cand_d, pivot, step, bad, zero_below)
         cand_y = tl.reshape(cand_y, [SPARSE])
         tl.store(Y + _entry_offsets(row, split * CHUNK + index, inner, y_stride_outer,
                                     y_stride_inner, y_stride_n, WIDE),
@@ -862,9 +891,9 @@ def sparsemax_split_write_kernel(
         y_off = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer, y_stride_inner,
                              y_stride_n, CHUNK, GROUP, WIDE)[1]
         x = tl.load(X + x_off, mask=mask, other=-float("inf"))
-        z = x.to(row_max.dtype) - row_max[:, None, None]
-        tl.store(Y + y_off, _outputs_within(z, pivot, step, bad, zero_below).to(
-            Y.dtype.element_ty), mask=mask)
+        d = x.to(row_max.dtype) - row_max[:, None, None]
+        tl.store(Y + y_off, OUTPUTS(d, pivot, step, bad, zero_below).to(Y.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
@@ -1098,7 +1127,12 @@ class SplitRows:
     The keyword arguments override the launch heuristics (benchmarks, tests); with
     `programs_per_sm` (default SPLIT_PROGRAMS_PER_SM; 0: one program per chunk), pass 1 runs
     that many programs per multiprocessor, each walking chunks and prefetching the next;
-    `bound_groups` overrides SPLIT_BOUND_GROUPS."""
+    `bound_groups` overrides SPLIT_BOUND_GROUPS. Another op (entmax-1.5) subclasses it with its
+    own chunk bound, row pass and outputs."""
+
+    chunk_bound = _sparsemax_chunk_bound
+    threshold_kernel = sparsemax_split_threshold_kernel
+    outputs = _outputs_within
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
                  num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None,
@@ -1121,7 +1155,8 @@ class SplitRows:
         self.bounds_options = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
                                        scatter_ptx(y.element_size())), PREFETCH=programs < chunks,
                                    BOUND_GROUPS=SPLIT_BOUND_GROUPS[n_rows >= SPLIT_BOUND_ROWS]
-                                   if bound_groups is None else bound_groups)
+                                   if bound_groups is None else bound_groups,
+                                   BOUND=self.chunk_bound)
         self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
         tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
@@ -1135,7 +1170,7 @@ class SplitRows:
 
     def bounds(self):
         """Pass 1: PART (per chunk: max, bound, candidates), and the candidates stored in y."""
-        sparsemax_split_bounds_kernel[self.bounds_grid](
+        split_bounds_kernel[self.bounds_grid](
             self.x, self.y, self.part, self.n_splits, self.n_rows, self.n, self.inner,
             *self.strides, **self.tile, **self.bounds_options)
 
@@ -1143,7 +1178,7 @@ class SplitRows:
         """Pass 2: STATE [rows, STATE_SIZE], each row's max, exact (pivot, step) and the
         outputs at most which are ties."""
         state = self.part.new_empty((self.n_rows, STATE_SIZE.value))
-        sparsemax_split_threshold_kernel[(self.n_rows,)](
+        self.threshold_kernel[(self.n_rows,)](
             self.x, self.y, self.part, state, self.n_splits, self.n, self.inner, *self.strides,
             **self.row_pass)
         return state
@@ -1165,9 +1200,9 @@ class SplitRows:
 
     def write(self, state: torch.Tensor):
         """Pass 3: y from STATE [rows, STATE_SIZE]."""
-        sparsemax_split_write_kernel[self.grid](
+        split_write_kernel[self.grid](
             self.x, self.y, self.part, state, self.n_splits, self.n_rows, self.n, self.inner,
-            *self.strides, SPARSE=self.sparse, **self.tile)
+            *self.strides, SPARSE=self.sparse, OUTPUTS=self.outputs, **self.tile)
 
 
 FORWARD_LAUNCHES = LaunchCache(sparsemax_forward_kernel)
