@@ -21,10 +21,12 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache
-from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, _add_add, _compute_dtype,
-                        _group_max, _is_bad, _load_raw_rows, _load_y_g, _map_rows, _nan_max,
-                        _row_offsets, _rows, _store_rows, _strided, _support_found, _tile_max,
-                        _tile_threshold, _wide, group_size, kept_launch, launch_config,
+from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, STATE_MAX, STATE_PIVOT,
+                        STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitRows, _add_add,
+                        _candidate_values, _chunk_extent, _compute_dtype, _group_max, _is_bad,
+                        _load_raw_rows, _load_y_g, _map_rows, _row_offsets, _rows,
+                        _split_row_start, _store_rows, _strided, _support_found, _tile_max,
+                        _tile_threshold, _wide, kept_launch, launch_config,
                         launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
@@ -163,14 +165,6 @@ def _entmax_tile(z, pivot, step, bad):
 
 
 @triton.jit
-def _load_z(X, off, mask, row_max):
-    """z = (x - max) / 2 of a tile, in the compute dtype (-inf padding)."""
-    compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
-    return (x - row_max[:, None, None]) * 0.5
-
-
-@triton.jit
 def _entmax15_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     """entmax-1.5 of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype (the same
     code whether the program holds the next tile, PREFETCHING, or not)."""
@@ -196,65 +190,75 @@ def entmax15_forward_kernel(
 
 
 @triton.jit
-def entmax15_forward_streamed_kernel(
-    X, Y, n_rows, n, inner,
+def _entmax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr):
+    """`SplitRows`' pass-1 bound for entmax-1.5, from a chunk's group maxima less the chunk's
+    max (d = x - max, [1, 1, W]): twice their exact tau in z = d / 2, a lower bound on the
+    row's tau in d. (BOUND_GROUPS, sparsemax's early stop, is not used.)"""
+    tau = tl.full([1], -1.0, group_d.dtype)
+    pivot, step, _, _ = _entmax_threshold(group_d * 0.5, tau, tl.zeros_like(tau))
+    return 2.0 * (pivot + step)
+
+
+@triton.jit
+def _entmax_split_outputs(d, pivot, step, bad, zero_below):
+    """`SplitRows`' pass-3 outputs for entmax-1.5 from d = x - max (zero_below unused)."""
+    return _entmax_tile(d * 0.5, pivot, step, bad)
+
+
+@triton.jit
+def entmax15_split_threshold_kernel(
+    X, Y, PART, STATE, n_splits, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
+    CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """One row per program, streamed CHUNK entries at a time: a pass for the max, a pass for
-    the best chunk's exact tau (a lower bound on the row's), a pass per step, a pass that
-    writes."""
+    """Split pass 2 (`Entmax15SplitRows`), one program per row: the row's max and exact tau
+    in z = (x - max) / 2, by Newton from the best chunk bound over the chunks' candidates."""
     row = tl.program_id(0)
-    WIDTH: tl.constexpr = CHUNK // GROUP
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    row_max = tl.full([1], -float("inf"), compute)
-    for start in range(0, n, CHUNK):
-        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
-        x = tl.load(X + off, mask=mask, other=-float("inf")).to(compute)
-        row_max = _nan_max(row_max, _tile_max(x))
-    bad = _is_bad(row_max)
-
-    tau = tl.full([1], -1.0, compute)
-    centre = tl.zeros([1], compute)
-    for start in range(0, n, CHUNK):
-        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
-        pivot, step, chunk_centre = _entmax_tile_threshold(_load_z(X, off, mask, row_max), GROUP,
-                                                           True)
-        # The best chunk's centre as well, for the reason the group maxima's serves a tile.
-        better = pivot + step > tau
-        tau = tl.where(better, pivot + step, tau)
-        centre = tl.where(better, chunk_centre, centre)
-
-    pivot = tau
-    step = tl.zeros_like(tau)
-    done = bad
+    # In d = x - max, tau >= -2.
+    row_max, bound = _split_row_start(PART, row, n_splits, SPLITS, compute, -2.0)
+    pivot = bound * 0.5
+    step = tl.zeros_like(pivot)
+    centre = tl.zeros_like(pivot)
+    done = _is_bad(row_max)
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
-        s1 = tl.zeros([1], compute)
-        s2 = tl.zeros([1], compute)
-        count = tl.zeros([1], compute)
-        smallest = tl.full([1], float("inf"), compute)
-        for start in range(0, n, CHUNK):
-            off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer,
-                                     x_stride_inner, x_stride_n, 1, GROUP, WIDTH, WIDE)
-            chunk = _entmax_sums(_load_z(X, off, mask, row_max), pivot + step, centre)
-            s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *chunk)
+        s1 = tl.zeros_like(pivot)
+        s2 = tl.zeros_like(pivot)
+        count = tl.zeros_like(pivot)
+        smallest = tl.full(pivot.shape, float("inf"), compute)
+        for first in range(0, n_splits, SPLITS):
+            splits = first + tl.arange(0, SPLITS)
+            length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
+            width = tl.where(stored, stored_count, length)
+            for offset in range(0, tl.max(width, 0), WIDTH):
+                x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
+                                      x_stride_outer, x_stride_inner, x_stride_n,
+                                      y_stride_outer, y_stride_inner, y_stride_n, CHUNK, WIDTH,
+                                      WIDE)
+                z = (x.to(compute) - row_max) * 0.5
+                sums = _entmax_sums(tl.expand_dims(z, 0), pivot + step, centre)
+                s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *sums)
         pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step, centre,
                                                    done)
         steps += 1
         pending = _pending(done, steps)
+    state = STATE + row * STATE_SIZE
+    tl.store(state + STATE_MAX, tl.reshape(row_max, []))
+    tl.store(state + STATE_PIVOT, tl.reshape(pivot, []))
+    tl.store(state + STATE_STEP, tl.reshape(step, []))
+    tl.store(state + STATE_ZERO_BELOW, tl.reshape(tl.zeros_like(pivot), []))
 
-    for start in range(0, n, CHUNK):
-        off, mask = _row_offsets(row, start, n_rows, n, inner, x_stride_outer, x_stride_inner,
-                                 x_stride_n, 1, GROUP, WIDTH, WIDE)
-        y = _entmax_tile(_load_z(X, off, mask, row_max), pivot, step, bad)
-        y_off, _ = _row_offsets(row, start, n_rows, n, inner, y_stride_outer, y_stride_inner,
-                                y_stride_n, 1, GROUP, WIDTH, WIDE)
-        tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+
+class Entmax15SplitRows(SplitRows):
+    """Sparsemax's three split passes (`SplitRows`) with entmax-1.5's chunk bound, row pass
+    and outputs."""
+
+    chunk_bound = _entmax_chunk_bound
+    threshold_kernel = entmax15_split_threshold_kernel
+    outputs = _entmax_split_outputs
 
 
 @triton.jit
@@ -397,7 +401,8 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
                      row_threads=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
-    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are streamed in chunks.
+    Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks, in
+    sparsemax's three passes (`Entmax15SplitRows`).
     `programs_per_sm` and `row_threads` as in `rows_launch`. The other keyword arguments
     override the launch heuristics (for benchmarks and tests).
     """
@@ -411,11 +416,10 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
-        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
-        entmax15_forward_streamed_kernel[(n_rows,)](
-            rows, y, n_rows, n, inner, *x_strides, *y_strides, CHUNK=block_n,
-            GROUP=group_size(block_n, rows.element_size(), num_warps, group), WIDE=wide,
-            num_warps=num_warps)
+        split = Entmax15SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide,
+                                  group, num_warps, programs_per_sm=programs_per_sm)
+        split.bounds()
+        split.write(split.threshold())
         return y
     launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
                 x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,

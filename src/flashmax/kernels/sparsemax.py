@@ -737,16 +737,17 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
 
 
 @triton.jit
-def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.constexpr):
+def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.constexpr,
+                     FLOOR: tl.constexpr):
     """A split row's max [1] from its chunks' (PART), and their best bound on its threshold
-    relative to that max (-1 where no chunk has a finite entry)."""
+    relative to that max, at least FLOOR (the op's lowest threshold: -1 for sparsemax)."""
     row_max = tl.full([1], -float("inf"), compute)
     for first in range(0, n_splits, SPLITS):
         splits = first + tl.arange(0, SPLITS)
         part = PART + (row * n_splits + splits) * PART_SIZE
         chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
         row_max = _nan_max(row_max, tl.reduce(chunk_max, 0, _nan_max))
-    bound = tl.full([1], -1.0, compute)
+    bound = tl.full([1], FLOOR, compute)
     for first in range(0, n_splits, SPLITS):
         splits = first + tl.arange(0, SPLITS)
         part = PART + (row * n_splits + splits) * PART_SIZE
@@ -754,7 +755,7 @@ def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.cons
         # A chunk's bound in the row's coordinates; chunks with no finite entry bound nothing.
         chunk_bound = (chunk_max - row_max) + tl.load(part + PART_BOUND, mask=splits < n_splits,
                                                       other=0.0)
-        bound = tl.maximum(bound, tl.max(tl.where(chunk_max > -float("inf"), chunk_bound, -1.0),
+        bound = tl.maximum(bound, tl.max(tl.where(chunk_max > -float("inf"), chunk_bound, FLOOR),
                                          0))
     return row_max, bound
 
@@ -770,7 +771,7 @@ def sparsemax_split_threshold_kernel(
     chunk bound over the chunks' candidates."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    row_max, tau = _split_row_start(PART, row, n_splits, SPLITS, compute)
+    row_max, tau = _split_row_start(PART, row, n_splits, SPLITS, compute, -1.0)
     pivot = tau
     step = tl.zeros_like(tau)
     centre = tl.zeros_like(tau)
