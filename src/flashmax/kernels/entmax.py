@@ -21,12 +21,12 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache
-from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, STATE_MAX, STATE_PIVOT,
-                        STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitRows, _add_add,
-                        _candidate_values, _chunk_extent, _compute_dtype, _group_max, _is_bad,
-                        _load_raw_rows, _load_y_g, _map_rows, _row_offsets, _rows,
-                        _split_row_start, _store_rows, _strided, _support_found, _tile_max,
-                        _tile_threshold, _wide, kept_launch, launch_config,
+from .sparsemax import (GRADIENT_ROW_STRIDES, PART_SIZE, ROW_THREAD_ENTRIES, STATE_MAX,
+                        STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
+                        SplitRows, _add_add, _candidate_values, _chunk_extent, _compute_dtype,
+                        _group_max, _is_bad, _load_raw_rows, _load_y_g, _map_rows,
+                        _next_power_of_2, _rows, _split_chunk, _split_row_start, _store_rows,
+                        _strided, _support_found, _tile_max, _tile_threshold, _wide, kept_launch,
                         launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
@@ -297,32 +297,67 @@ def entmax15_backward_kernel(
 
 
 @triton.jit
-def entmax15_backward_streamed_kernel(
-    Yp, G, DX, n_rows, n, inner,
+def entmax15_split_backward_sums_kernel(
+    Yp, G, PART, n_splits, n_rows, n, inner,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    g_stride_outer, g_stride_inner, g_stride_n,
+    CHUNK: tl.constexpr, WIDE: tl.constexpr,
+):
+    """Split backward pass 1 (`Entmax15SplitBackward`): each chunk's (sum of s g, sum of s),
+    s = sqrt(y). g is read everywhere, as the whole-row kernel reads it: a NaN in g where y is
+    0 makes the row NaN (0 x NaN), as in the entmax package."""
+    pid = tl.program_id(0)
+    _, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                  y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
+    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
+                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
+    compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    total, norm = _weighted_sums(y, g)
+    tl.store(PART + pid * PART_SIZE + tl.arange(0, 1), total)
+    tl.store(PART + pid * PART_SIZE + 1 + tl.arange(0, 1), norm)
+
+
+@triton.jit
+def entmax15_split_backward_kernel(
+    Yp, G, DX, PART, part_splits, n_splits, n_rows, n, inner,
     y_stride_outer, y_stride_inner, y_stride_n,
     g_stride_outer, g_stride_inner, g_stride_n,
     dx_stride_outer, dx_stride_inner, dx_stride_n,
-    CHUNK: tl.constexpr, WIDE: tl.constexpr,
+    SPLITS: tl.constexpr, CHUNK: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """The same, one row per program streamed CHUNK entries at a time: a pass for the sums, a
-    pass that writes."""
-    row = tl.program_id(0)
+    """Split backward pass 2: every program adds up its row's part_splits partial sums in PART
+    (the same sums in the same order in each) and writes its chunk of dx."""
+    pid = tl.program_id(0)
+    row, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                    y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
+    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
+                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
+    _, dx_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, dx_stride_outer,
+                                dx_stride_inner, dx_stride_n, CHUNK, 1, WIDE)
+    splits = tl.arange(0, SPLITS)
+    part = PART + (row * part_splits + splits) * PART_SIZE
+    valid = splits < part_splits
+    total = tl.sum(tl.load(part, mask=valid, other=0.0), axis=0)
+    norm = tl.sum(tl.load(part + 1, mask=valid, other=0.0), axis=0)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
-    total = tl.zeros([1], compute)
-    norm = tl.zeros([1], compute)
-    for start in range(0, n, CHUNK):
-        y, g, _ = _load_y_g(Yp, G, row, start, n_rows, n, inner,
-                            y_stride_outer, y_stride_inner, y_stride_n,
-                            g_stride_outer, g_stride_inner, g_stride_n, 1, CHUNK, WIDE)
-        total, norm = _add_add(total, norm, *_weighted_sums(y, g))
-    for start in range(0, n, CHUNK):
-        y, g, mask = _load_y_g(Yp, G, row, start, n_rows, n, inner,
-                               y_stride_outer, y_stride_inner, y_stride_n,
-                               g_stride_outer, g_stride_inner, g_stride_n, 1, CHUNK, WIDE)
-        dx = _backward_tile(y, g, total / norm)
-        dx_off, _ = _row_offsets(row, start, n_rows, n, inner, dx_stride_outer,
-                                 dx_stride_inner, dx_stride_n, 1, 1, CHUNK, WIDE)
-        tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
+    y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
+    g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
+    q = tl.full([1], 0.0, compute) + total / norm
+    tl.store(DX + dx_off, _backward_tile(y, g, q).to(DX.dtype.element_ty), mask=mask)
+
+
+class Entmax15SplitBackward(SplitBackward):
+    """Sparsemax's split backward (`SplitBackward`) with entmax-1.5's sums and dx."""
+
+    sums_kernel = entmax15_split_backward_sums_kernel
+
+    def write(self, part: torch.Tensor, part_splits: int) -> torch.Tensor:
+        entmax15_split_backward_kernel[self.grid](
+            *self.tensors, self.dx, part, part_splits, *self.rows, *self.strides,
+            *self.dx_strides, SPLITS=_next_power_of_2(part_splits), **self.tile)
+        return self.dx
 
 
 @triton.jit
@@ -397,17 +432,18 @@ BACKWARD_LAUNCHES = LaunchCache(entmax15_backward_kernel)
 
 
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
-                     block_m=None, chunk=None, programs_per_sm=None,
-                     row_threads=None) -> torch.Tensor:
+                     block_m=None, chunk=None, programs_per_sm=None, row_threads=None,
+                     threshold_tile=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks, in
-    sparsemax's three passes (`Entmax15SplitRows`).
+    sparsemax's three passes (`Entmax15SplitRows`; `threshold_tile` as in `sparsemax_forward`).
     `programs_per_sm` and `row_threads` as in `rows_launch`. The other keyword arguments
     override the launch heuristics (for benchmarks and tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
-                and chunk is None and programs_per_sm is None and row_threads is None)
+                and chunk is None and programs_per_sm is None and row_threads is None
+                and threshold_tile is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -417,7 +453,8 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
         split = Entmax15SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide,
-                                  group, num_warps, programs_per_sm=programs_per_sm)
+                                  group, num_warps, threshold_tile=threshold_tile,
+                                  programs_per_sm=programs_per_sm)
         split.bounds()
         split.write(split.threshold())
         return y
@@ -437,13 +474,8 @@ def entmax15_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, n
     if y.numel() == 0:
         return y.new_empty(y.shape) if out is None else out
     if y.shape[dim] > (max_block_n(y.dtype) if chunk is None else chunk):
-        dx, y, n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
-        grad, (_, _, g_strides) = _strided(grad, dim)
-        _, block_n, num_warps = launch_config(1, chunk, num_warps, 1)
-        entmax15_backward_streamed_kernel[(n_rows,)](
-            y, grad, dx, n_rows, n, inner, *y_strides, *g_strides, *dx_strides, CHUNK=block_n,
-            WIDE=_wide(n, y_strides[2], g_strides[2], dx_strides[2]), num_warps=num_warps)
-        return dx
+        split = Entmax15SplitBackward(y, grad, dim, out, chunk, num_warps)
+        return split.write(split.sums(), split.n_splits)
     return launch_gradient_rows(BACKWARD_LAUNCHES, key, y, grad, dim, out, num_warps, block_m)
 
 

@@ -1421,7 +1421,9 @@ class SplitBackward:
     """The backward of split rows into dx: the support's sums per chunk, then dx from each row's
     sums; `sparsemax_backward`'s long rows, and a rank's slice in `flashmax.kernels.distributed`
     (whose rows' sums are all-reduced across ranks in between). `out`, `chunk` and `num_warps`
-    as in `sparsemax_backward`."""
+    as in `sparsemax_backward`. entmax-1.5 subclasses it with its own kernels."""
+
+    sums_kernel = sparsemax_split_backward_sums_kernel
 
     def __init__(self, y, grad, dim, out=None, chunk=None, num_warps=None):
         self.dx, y, self.n_rows, n, inner, y_strides, dx_strides, chunk = _rows(y, out, dim, chunk)
@@ -1441,8 +1443,8 @@ class SplitBackward:
 
     def sums(self) -> torch.Tensor:
         """PART [rows * chunks, PART_SIZE]: each chunk's (sum of grad, count) over y > 0."""
-        sparsemax_split_backward_sums_kernel[self.grid](*self.tensors, self.part, *self.rows,
-                                                        *self.strides, **self.tile)
+        self.sums_kernel[self.grid](*self.tensors, self.part, *self.rows, *self.strides,
+                                    **self.tile)
         return self.part
 
     def write(self, part: torch.Tensor, part_splits: int) -> torch.Tensor:
