@@ -24,10 +24,11 @@ from .launch import LaunchCache
 from .sparsemax import (GRADIENT_ROW_STRIDES, PART_SIZE, ROW_THREAD_ENTRIES, STATE_MAX,
                         STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
                         SplitRows, _add_add, _candidate_values, _chunk_extent, _compute_dtype,
-                        _group_max, _is_bad, _load_raw_rows, _load_y_g, _map_rows,
-                        _next_power_of_2, _rows, _split_chunk, _split_row_start, _store_rows,
-                        _strided, _support_found, _tile_max, _tile_threshold, _wide, kept_launch,
-                        launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
+                        _entry_offsets, _group_max, _is_bad, _load_raw_rows, _load_y_g,
+                        _map_rows, _next_power_of_2, _rows, _split_chunk, _split_row_start,
+                        _store_rows, _strided, _support_found, _tile_max, _tile_threshold, _wide,
+                        kept_launch, launch_gradient_rows, launch_rows, max_block_n, row_align,
+                        rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -213,7 +214,13 @@ def entmax15_split_threshold_kernel(
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Split pass 2 (`Entmax15SplitRows`), one program per row: the row's max and exact tau
-    in z = (x - max) / 2, by Newton from the best chunk bound over the chunks' candidates."""
+    in z = (x - max) / 2, by Newton from the best chunk bound over the chunks' candidates.
+
+    The stored candidates are read SPLITS chunks times WIDTH at a time; a chunk that stored
+    none (over half of it are candidates: supports of a large share of the row, as nearly
+    tied rows have) is read whole, in contiguous pieces of as many entries. H200 (NOTES, v37):
+    reading those through the candidates' [SPLITS, WIDTH] tiles took randn x 0.01 rows of
+    1048576 entries from 19 to 47 x clone."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     # In d = x - max, tau >= -2.
@@ -231,8 +238,8 @@ def entmax15_split_threshold_kernel(
         smallest = tl.full(pivot.shape, float("inf"), compute)
         for first in range(0, n_splits, SPLITS):
             splits = first + tl.arange(0, SPLITS)
-            length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
-            width = tl.where(stored, stored_count, length)
+            _, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
+            width = tl.where(stored, stored_count, 0)
             for offset in range(0, tl.max(width, 0), WIDTH):
                 x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
                                       x_stride_outer, x_stride_inner, x_stride_n,
@@ -241,6 +248,17 @@ def entmax15_split_threshold_kernel(
                 z = (x.to(compute) - row_max) * 0.5
                 sums = _entmax_sums(tl.expand_dims(z, 0), pivot + step, centre)
                 s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *sums)
+        for split in range(0, n_splits):
+            if _chunk_extent(PART, row, split, n_splits, n, CHUNK)[2] == 0:
+                for start in range(0, CHUNK, SPLITS * WIDTH):
+                    piece = start + tl.arange(0, SPLITS * WIDTH)
+                    cols = split * CHUNK + piece
+                    x = tl.load(X + _entry_offsets(row, cols, inner, x_stride_outer,
+                                                   x_stride_inner, x_stride_n, WIDE),
+                                mask=(piece < CHUNK) & (cols < n), other=-float("inf"))
+                    z = (x.to(compute) - row_max) * 0.5
+                    sums = _entmax_sums(z[None, None, :], pivot + step, centre)
+                    s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *sums)
         pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step, centre,
                                                    done)
         steps += 1
