@@ -322,11 +322,13 @@ def test_kernel_forward_matches_oracle(kernels, n, kind, scale, offset):
 
 
 @pytest.mark.parametrize("config", [{"group": 1}, {"group": 4}, {"block_m": 4}, {"chunk": 64},
-                                    {"chunk": 32, "group": 1}, {"programs_per_sm": 1},
-                                    {"programs_per_sm": 1, "block_m": 4}],
-                         ids=["no-groups", "four-groups", "four-rows", "streamed",
-                              "streamed-no-groups", "prefetching", "prefetching-four-rows"])
+                                    {"chunk": 32, "group": 1}, {"chunk": 64, "threshold_tile": 32},
+                                    {"programs_per_sm": 1}, {"programs_per_sm": 1, "block_m": 4}],
+                         ids=["no-groups", "four-groups", "four-rows", "split", "split-no-groups",
+                              "split-pieces", "prefetching", "prefetching-four-rows"])
 def test_kernel_every_launch_path(kernels, config):
+    # split-pieces: the row pass reads chunks that stored no candidates (nearly tied rows) in
+    # pieces smaller than a chunk.
     # More rows than programs, even on a GPU, so the prefetching programs walk several blocks.
     rows = 2 * ROWS + 1 + (2 * torch.cuda.get_device_properties(0).multi_processor_count * 4
                            if ON_GPU else 0)
@@ -340,7 +342,7 @@ def test_kernel_dtypes(kernels, dtype):
     check_against_oracle(kernel_forward(kernels, x), x, -1)
 
 
-@pytest.mark.parametrize("config", [{}, {"chunk": 16}], ids=["in-registers", "streamed"])
+@pytest.mark.parametrize("config", [{}, {"chunk": 16}], ids=["in-registers", "split"])
 def test_kernel_bad_rows_and_masks(kernels, config):
     x = make_input((6, 40), -1, torch.float32, seed=12, mask_p=0.4).to(DEVICE)
     x[0, 3] = math.nan
@@ -381,7 +383,7 @@ def test_kernel_adjacent_rows(kernels, kind, n, dtype):
     torch.testing.assert_close(dx.cpu().double(), want, rtol=0, atol=tol * float(g.abs().max()))
 
 
-@pytest.mark.parametrize("chunk", [None, 32], ids=["in-registers", "streamed"])
+@pytest.mark.parametrize("chunk", [None, 32], ids=["in-registers", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_kernel_backward(kernels, chunk, dtype):
     x = make_input((ROWS, 100), -1, dtype, seed=14, kind="near_max").to(DEVICE)
@@ -396,7 +398,7 @@ def test_kernel_backward(kernels, chunk, dtype):
 
 
 def test_kernel_long_rows(kernels):
-    """A couple of rows of 4096 (the interpreter is slow): in registers and streamed."""
+    """A couple of rows of 4096 (the interpreter is slow): in registers and split."""
     x = make_input((2, 4096), -1, torch.float32, seed=22, kind="near_max").to(DEVICE)
     check_against_oracle(kernel_forward(kernels, x), x, -1)
     check_against_oracle(kernel_forward(kernels, x, chunk=1024), x, -1)
@@ -423,12 +425,12 @@ HARD_ROWS = [("near_max", 0.0, 0.0, 0.0), ("near_max", 1e4, 0.0, 0.0), ("ties", 
 
 
 @pytest.mark.parametrize("chunk,median", [(None, 1e-7), (512, 2e-7)],
-                         ids=["in-registers", "streamed"])
+                         ids=["in-registers", "split"])
 @pytest.mark.parametrize("kind,scale,offset,mask_p", HARD_ROWS)
 def test_kernel_centred_sums_on_long_rows(kernels, chunk, median, kind, scale, offset, mask_p):
     """Every row within 1e-6 of the oracle, the median row within `median`. Rounding the
     outputs alone, ((z - pivot) - step)^2 in fp32 from the exact tau, costs up to ~9e-8 on
-    these rows; streamed, a first step from the best chunk's bound may be final from ~|tau|
+    these rows; split, a first step from the best chunk's bound may be final from ~|tau|
     away, where the fp32 closed form costs about 2 ulps more (fp64 sums gave 1.0-1.3e-7 there
     too)."""
     x = make_input((ROWS, 2048), -1, torch.float32, seed=23, kind=kind, scale=scale,

@@ -43,10 +43,13 @@ MAX_STEPS = tl.constexpr(64)
 # u |sum| sqrt(count) / 6 summed in sequence, as the interpreter does). The closed form is then
 # only a step, and the next one is centred on its count.
 MAX_DRIFT = tl.constexpr(4.0)
-# The split row pass's tile (`SplitRows`): entries of candidates, or of a chunk that stored none,
-# summed at a time, over tile / 1024 warps. H200 (NOTES, v37): 8192 (8 warps) beat sparsemax's
-# 4096 on rows of nearly tied entries (32 x 1048576 randn x 0.01: 33.9 -> 22.9 x clone).
-THRESHOLD_TILE = 8192
+# The split row pass's tile (`SplitRows`), by n_rows >= THRESHOLD_TILE_ROWS: entries of
+# candidates, or of a chunk that stored none, summed at a time over tile / 1024 warps, one
+# program a row. H200 (NOTES, v37c): with few rows 8192 beat 4096 on rows of large supports
+# (8-32 x 1048576 and 128 x 262144: rand 6-20%, randn x 0.01 23-34% faster) and lost 3-7% on
+# randn; at 512 x 131072 4096 won on every distribution (7-9%). The boundary lies between.
+THRESHOLD_TILE = {False: 8192, True: 4096}
+THRESHOLD_TILE_ROWS = 256
 
 
 @triton.jit
@@ -283,7 +286,6 @@ class Entmax15SplitRows(SplitRows):
     chunk_bound = _entmax_chunk_bound
     threshold_kernel = entmax15_split_threshold_kernel
     outputs = _entmax_split_outputs
-    row_pass_tile = THRESHOLD_TILE
 
 
 @triton.jit
@@ -462,7 +464,8 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks, in
-    sparsemax's three passes (`Entmax15SplitRows`; `threshold_tile` as in `sparsemax_forward`).
+    sparsemax's three passes (`Entmax15SplitRows`; `threshold_tile`, default THRESHOLD_TILE's,
+    as in `sparsemax_forward`).
     `programs_per_sm` and `row_threads` as in `rows_launch`. The other keyword arguments
     override the launch heuristics (for benchmarks and tests).
     """
@@ -477,6 +480,8 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
+        if threshold_tile is None:
+            threshold_tile = THRESHOLD_TILE[n_rows >= THRESHOLD_TILE_ROWS]
         split = Entmax15SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide,
                                   group, num_warps, threshold_tile=threshold_tile,
                                   programs_per_sm=programs_per_sm)

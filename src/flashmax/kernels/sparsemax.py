@@ -1134,7 +1134,6 @@ class SplitRows:
     chunk_bound = _sparsemax_chunk_bound
     threshold_kernel = sparsemax_split_threshold_kernel
     outputs = _outputs_within
-    row_pass_tile = THRESHOLD_TILE
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
                  num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None,
@@ -1160,7 +1159,7 @@ class SplitRows:
                                    if bound_groups is None else bound_groups,
                                    BOUND=self.chunk_bound)
         self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
-        tile = self.row_pass_tile if threshold_tile is None else threshold_tile
+        tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.tile_entries = tile
         self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits, WIDTH=self._width(splits),
