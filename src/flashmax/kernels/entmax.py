@@ -10,6 +10,11 @@ which is final when every entry of the set stays above it. The lower bound is th
 the group maxima, as for sparsemax. The sums are in the compute dtype, fp32 for fp32/fp16/bf16
 (`_entmax_sums` says why that is exact enough).
 
+Rows longer than one program's registers run sparsemax's split passes (`SplitRows`,
+`SplitBackward`) with entmax-1.5's parts: a chunk's bound is twice the exact tau of its group
+maxima in x - max, the row pass runs the Newton above over the chunks' candidates, and the
+backward's per-chunk sums are those of s g and s.
+
 The same threshold also drives the fused losses (`loss_kernel`): the forward reads x once and
 writes one loss per row; the backward reads x again and writes p - onehot(target), recomputing
 the threshold in registers rather than storing p (the same memory traffic as storing tau, and
@@ -25,10 +30,10 @@ from .sparsemax import (GRADIENT_ROW_STRIDES, PART_SIZE, ROW_THREAD_ENTRIES, STA
                         STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
                         SplitRows, _add_add, _candidate_values, _chunk_extent, _compute_dtype,
                         _entry_offsets, _group_max, _is_bad, _load_raw_rows, _load_y_g,
-                        _map_rows, _next_power_of_2, _rows, _split_chunk, _split_row_start,
-                        _store_rows, _strided, _support_found, _tile_max, _tile_threshold, _wide,
-                        kept_launch, launch_gradient_rows, launch_rows, max_block_n, row_align,
-                        rows_launch)
+                        _map_rows, _next_power_of_2, _row_partials, _rows, _split_chunk,
+                        _split_gradient_chunk, _split_row_start, _store_rows, _strided,
+                        _support_found, _tile_max, _tile_threshold, _wide, kept_launch,
+                        launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -357,17 +362,11 @@ def entmax15_split_backward_kernel(
     """Split backward pass 2: every program adds up its row's part_splits partial sums in PART
     (the same sums in the same order in each) and writes its chunk of dx."""
     pid = tl.program_id(0)
-    row, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
-                                    y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
-    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
-                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
-    _, dx_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, dx_stride_outer,
-                                dx_stride_inner, dx_stride_n, CHUNK, 1, WIDE)
-    splits = tl.arange(0, SPLITS)
-    part = PART + (row * part_splits + splits) * PART_SIZE
-    valid = splits < part_splits
-    total = tl.sum(tl.load(part, mask=valid, other=0.0), axis=0)
-    norm = tl.sum(tl.load(part + 1, mask=valid, other=0.0), axis=0)
+    row, y_off, g_off, dx_off, mask = _split_gradient_chunk(
+        pid, n_splits, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+        g_stride_outer, g_stride_inner, g_stride_n, dx_stride_outer, dx_stride_inner,
+        dx_stride_n, CHUNK, WIDE)
+    total, norm = _row_partials(PART, row, part_splits, SPLITS)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
     y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
     g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)

@@ -24,7 +24,8 @@ program per row, finds the exact tau by Newton over the candidates alone. Pass 3
 and the candidates' outputs. A long row is thus read once and written once, like a copy;
 chunks whose candidates do not fit (rows of ties) are read again by passes 2 and 3. A rank's
 slice of rows split across ranks (`flashmax.distributed`) runs the same passes, but its Newton
-steps are taken across ranks, each a launch of the sums kernel over the candidates.
+steps are taken across ranks, each a launch of the sums kernel over the candidates. entmax-1.5
+runs them too, with its own chunk bound, row pass and outputs (`SplitRows`' parts).
 """
 
 import functools
@@ -994,6 +995,34 @@ def sparsemax_split_backward_sums_kernel(
 
 
 @triton.jit
+def _split_gradient_chunk(pid, n_splits, n_rows, n, inner,
+                          y_stride_outer, y_stride_inner, y_stride_n,
+                          g_stride_outer, g_stride_inner, g_stride_n,
+                          dx_stride_outer, dx_stride_inner, dx_stride_n,
+                          CHUNK: tl.constexpr, WIDE: tl.constexpr):
+    """A split backward pass 2 program's row, its chunk's offsets in y, g and dx as
+    [1, 1, CHUNK] tiles, and their mask."""
+    row, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                    y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
+    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
+                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
+    _, dx_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, dx_stride_outer,
+                                dx_stride_inner, dx_stride_n, CHUNK, 1, WIDE)
+    return row, y_off, g_off, dx_off, mask
+
+
+@triton.jit
+def _row_partials(PART, row, part_splits, SPLITS: tl.constexpr):
+    """A split row's two sums, each over its part_splits partials in PART: the same sums in the
+    same order in every program of the row."""
+    splits = tl.arange(0, SPLITS)
+    part = PART + (row * part_splits + splits) * PART_SIZE
+    valid = splits < part_splits
+    return (tl.sum(tl.load(part, mask=valid, other=0.0), axis=0),
+            tl.sum(tl.load(part + 1, mask=valid, other=0.0), axis=0))
+
+
+@triton.jit
 def sparsemax_split_backward_kernel(
     Yp, G, DX, PART, part_splits, n_splits, n_rows, n, inner,
     y_stride_outer, y_stride_inner, y_stride_n,
@@ -1006,17 +1035,11 @@ def sparsemax_split_backward_kernel(
     a partial per chunk (part_splits == n_splits); a chunk whose own count is 0 lies outside
     the support, and writes zeros without reading y or g (most of a long randn row's)."""
     pid = tl.program_id(0)
-    row, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
-                                    y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
-    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
-                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
-    _, dx_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, dx_stride_outer,
-                                dx_stride_inner, dx_stride_n, CHUNK, 1, WIDE)
-    splits = tl.arange(0, SPLITS)
-    part = PART + (row * part_splits + splits) * PART_SIZE
-    valid = splits < part_splits
-    total = tl.sum(tl.load(part, mask=valid, other=0.0), axis=0)
-    count = tl.sum(tl.load(part + 1, mask=valid, other=0.0), axis=0)
+    row, y_off, g_off, dx_off, mask = _split_gradient_chunk(
+        pid, n_splits, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+        g_stride_outer, g_stride_inner, g_stride_n, dx_stride_outer, dx_stride_inner,
+        dx_stride_n, CHUNK, WIDE)
+    total, count = _row_partials(PART, row, part_splits, SPLITS)
     outside = False
     if OWN_COUNTS:
         outside = tl.load(PART + pid * PART_SIZE + 1) == 0
