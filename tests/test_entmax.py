@@ -397,6 +397,22 @@ def test_kernel_backward(kernels, chunk, dtype):
     torch.testing.assert_close(dx.cpu().double(), want, rtol=0, atol=tol * float(g.abs().max()))
 
 
+@pytest.mark.parametrize("chunk", [None, 32], ids=["in-registers", "split"])
+def test_kernel_backward_nan_grad_off_the_support(kernels, chunk):
+    # As the entmax package's formula: s g with s = sqrt(y) = 0 and g NaN is NaN, so a NaN in g
+    # where y is 0 makes its row's gradient NaN, on either path (the split backward reads g in
+    # every chunk, with or without support); the other rows are unaffected.
+    x = make_input((4, 100), -1, torch.float32, seed=30).to(DEVICE)
+    y = kernel_forward(kernels, x)
+    g = make_input((4, 100), -1, torch.float32, seed=31).to(DEVICE)
+    off = int((y[1] == 0).nonzero()[-1])
+    g[1, off] = math.nan
+    dx = kernels.entmax15_backward(y, g, 1, out=torch.full_like(y, POISON), chunk=chunk)
+    assert bool(torch.isnan(dx[1]).all())
+    want = expected_grad(y[[0, 2, 3]].cpu(), g[[0, 2, 3]].cpu(), 1)
+    torch.testing.assert_close(dx[[0, 2, 3]].cpu().double(), want, rtol=0, atol=1e-6)
+
+
 def test_kernel_long_rows(kernels):
     """A couple of rows of 4096 (the interpreter is slow): in registers and split."""
     x = make_input((2, 4096), -1, torch.float32, seed=22, kind="near_max").to(DEVICE)
