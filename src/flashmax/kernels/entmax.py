@@ -26,13 +26,13 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache
-from .sparsemax import (GRADIENT_ROW_STRIDES, PART_SIZE, ROW_THREAD_ENTRIES, STATE_MAX,
-                        STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
-                        SplitRows, _add_add, _candidate_values, _chunk_extent, _compute_dtype,
+from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, STATE_MAX, STATE_PIVOT,
+                        STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward, SplitRows,
+                        _add_add, _candidate_values, _chunk_extent, _compute_dtype,
                         _entry_offsets, _group_max, _is_bad, _load_raw_rows, _load_y_g,
-                        _map_rows, _next_power_of_2, _row_partials, _rows, _split_chunk,
-                        _split_gradient_chunk, _split_row_start, _store_rows, _strided,
-                        _support_found, _tile_max, _tile_threshold, _wide, kept_launch,
+                        _map_rows, _next_power_of_2, _row_partials, _rows, _split_gradient_chunk,
+                        _split_row_start, _split_y_g_chunk, _store_partials, _store_rows,
+                        _strided, _support_found, _tile_max, _tile_threshold, _wide, kept_launch,
                         launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
@@ -339,16 +339,13 @@ def entmax15_split_backward_sums_kernel(
     s = sqrt(y). g is read everywhere, as the whole-row kernel reads it: a NaN in g where y is
     0 makes the row NaN (0 x NaN), as in the entmax package."""
     pid = tl.program_id(0)
-    _, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
-                                  y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
-    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
-                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
+    _, y_off, g_off, mask = _split_y_g_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                             y_stride_inner, y_stride_n, g_stride_outer,
+                                             g_stride_inner, g_stride_n, CHUNK, WIDE)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
     y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
     g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
-    total, norm = _weighted_sums(y, g)
-    tl.store(PART + pid * PART_SIZE + tl.arange(0, 1), total)
-    tl.store(PART + pid * PART_SIZE + 1 + tl.arange(0, 1), norm)
+    _store_partials(PART, pid, *_weighted_sums(y, g))
 
 
 @triton.jit

@@ -968,6 +968,28 @@ def sparsemax_backward_kernel(
 
 
 @triton.jit
+def _split_y_g_chunk(pid, n_splits, n_rows, n, inner,
+                     y_stride_outer, y_stride_inner, y_stride_n,
+                     g_stride_outer, g_stride_inner, g_stride_n,
+                     CHUNK: tl.constexpr, WIDE: tl.constexpr):
+    """A split backward program's row, its chunk's offsets in y and g as [1, 1, CHUNK] tiles,
+    and their mask."""
+    row, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                    y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
+    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
+                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
+    return row, y_off, g_off, mask
+
+
+@triton.jit
+def _store_partials(PART, pid, first, second):
+    """Split backward pass 1's two sums [1] of chunk pid into PART (`_row_partials` adds them
+    up per row)."""
+    tl.store(PART + pid * PART_SIZE + tl.arange(0, 1), first)
+    tl.store(PART + pid * PART_SIZE + 1 + tl.arange(0, 1), second)
+
+
+@triton.jit
 def sparsemax_split_backward_sums_kernel(
     Yp, G, PART, n_splits, n_rows, n, inner,
     y_stride_outer, y_stride_inner, y_stride_n,
@@ -979,10 +1001,9 @@ def sparsemax_split_backward_sums_kernel(
     g read in full only where the count is not 0 (reading g masked by y > 0 instead was 8-12%
     slower on dense supports, NOTES v35), and summed alone: the count is already known."""
     pid = tl.program_id(0)
-    _, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
-                                  y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
-    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
-                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
+    _, y_off, g_off, mask = _split_y_g_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                             y_stride_inner, y_stride_n, g_stride_outer,
+                                             g_stride_inner, g_stride_n, CHUNK, WIDE)
     compute: tl.constexpr = tl.float64 if Yp.dtype.element_ty == tl.float64 else tl.float32
     y = tl.load(Yp + y_off, mask=mask, other=0.0).to(compute)
     count = tl.sum(tl.sum((y > 0).to(compute), axis=2), axis=1)
@@ -990,8 +1011,7 @@ def sparsemax_split_backward_sums_kernel(
     if tl.sum(count, axis=0) > 0:
         g = tl.load(G + g_off, mask=mask, other=0.0).to(compute)
         total = tl.sum(tl.sum(tl.where(y > 0, g, 0.0), axis=2), axis=1)
-    tl.store(PART + pid * PART_SIZE + tl.arange(0, 1), total)
-    tl.store(PART + pid * PART_SIZE + 1 + tl.arange(0, 1), count)
+    _store_partials(PART, pid, total, count)
 
 
 @triton.jit
@@ -1002,10 +1022,9 @@ def _split_gradient_chunk(pid, n_splits, n_rows, n, inner,
                           CHUNK: tl.constexpr, WIDE: tl.constexpr):
     """A split backward pass 2 program's row, its chunk's offsets in y, g and dx as
     [1, 1, CHUNK] tiles, and their mask."""
-    row, y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
-                                    y_stride_inner, y_stride_n, CHUNK, 1, WIDE)
-    _, g_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, g_stride_outer,
-                               g_stride_inner, g_stride_n, CHUNK, 1, WIDE)
+    row, y_off, g_off, mask = _split_y_g_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                               y_stride_inner, y_stride_n, g_stride_outer,
+                                               g_stride_inner, g_stride_n, CHUNK, WIDE)
     _, dx_off, _ = _split_chunk(pid, n_splits, n_rows, n, inner, dx_stride_outer,
                                 dx_stride_inner, dx_stride_n, CHUNK, 1, WIDE)
     return row, y_off, g_off, dx_off, mask
