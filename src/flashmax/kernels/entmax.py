@@ -55,6 +55,11 @@ MAX_DRIFT = tl.constexpr(4.0)
 # randn; at 512 x 131072 4096 won on every distribution (7-9%). The boundary lies between.
 THRESHOLD_TILE = {False: 8192, True: 4096}
 THRESHOLD_TILE_ROWS = 256
+# Split pass 1's bound (`_entmax_chunk_bound`): a Newton iterate for the chunk's group maxima's
+# tau stopped once at most this many of them lie above it (0: their exact tau). H200 (NOTES,
+# v39): on randn rows 4-13% faster than exact from 8 x 1048576 to 512 x 131072, fp32 and
+# bf16; 512 is faster still at 512 rows but slower at 32; rand and randn x 0.01 unchanged.
+ENTMAX_BOUND_GROUPS = 128
 
 
 @triton.jit
@@ -123,10 +128,14 @@ def _pending(done, steps):
 
 
 @triton.jit
-def _entmax_threshold(z, tau, centre):
+def _entmax_threshold(z, tau, centre, FEW: tl.constexpr = 0):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
     allowed) from lower bounds tau [BLOCK_M], the last step's centre (`_entmax_sums`) and the
-    size of its support (-1 in a row stopped by MAX_STEPS)."""
+    size of its support (-1 in a row stopped by MAX_STEPS).
+
+    With FEW > 0 a row stops as soon as at most FEW entries lie above its pivot + step, as
+    sparsemax's `_newton_threshold` does: every iterate (a closed form that holds or a Newton
+    step from below) is a lower bound on the threshold."""
     pivot = tau
     step = tl.zeros_like(tau)
     size = tl.zeros_like(tau)
@@ -138,6 +147,8 @@ def _entmax_threshold(z, tau, centre):
         size = tl.where(done, size, count)
         pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step, centre,
                                                    done)
+        if FEW > 0:
+            done = done | (count <= FEW)
         steps += 1
         pending = _pending(done, steps)
     return pivot, step, centre, tl.where(done, size, -1.0)
@@ -205,10 +216,11 @@ def entmax15_forward_kernel(
 @triton.jit
 def _entmax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr):
     """`SplitRows`' pass-1 bound for entmax-1.5, from a chunk's group maxima less the chunk's
-    max (d = x - max, [1, 1, W]): twice their exact tau in z = d / 2, a lower bound on the
-    row's tau in d. (BOUND_GROUPS, sparsemax's early stop, is not used.)"""
+    max (d = x - max, [1, 1, W]): twice a Newton iterate for their tau in z = d / 2, stopped
+    once at most BOUND_GROUPS of them lie above it, or exact with 0 (as sparsemax's); a lower
+    bound on the row's tau in d."""
     tau = tl.full([1], -1.0, group_d.dtype)
-    pivot, step, _, _ = _entmax_threshold(group_d * 0.5, tau, tl.zeros_like(tau))
+    pivot, step, _, _ = _entmax_threshold(group_d * 0.5, tau, tl.zeros_like(tau), BOUND_GROUPS)
     return 2.0 * (pivot + step)
 
 
@@ -456,18 +468,18 @@ BACKWARD_LAUNCHES = LaunchCache(entmax15_backward_kernel)
 
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                      block_m=None, chunk=None, programs_per_sm=None, row_threads=None,
-                     threshold_tile=None) -> torch.Tensor:
+                     threshold_tile=None, bound_groups=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks, in
     sparsemax's three passes (`Entmax15SplitRows`; `threshold_tile`, default THRESHOLD_TILE's,
-    as in `sparsemax_forward`).
+    as in `sparsemax_forward`, and `bound_groups`, default ENTMAX_BOUND_GROUPS's).
     `programs_per_sm` and `row_threads` as in `rows_launch`. The other keyword arguments
     override the launch heuristics (for benchmarks and tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and programs_per_sm is None and row_threads is None
-                and threshold_tile is None)
+                and threshold_tile is None and bound_groups is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -480,7 +492,9 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
             threshold_tile = THRESHOLD_TILE[n_rows >= THRESHOLD_TILE_ROWS]
         split = Entmax15SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide,
                                   group, num_warps, threshold_tile=threshold_tile,
-                                  programs_per_sm=programs_per_sm)
+                                  programs_per_sm=programs_per_sm,
+                                  bound_groups=ENTMAX_BOUND_GROUPS if bound_groups is None
+                                  else bound_groups)
         split.bounds()
         split.write(split.threshold())
         return y
