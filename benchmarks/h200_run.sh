@@ -2,7 +2,8 @@
 # The GPU run behind benchmarks/results/: the kernel tests on the GPU, then `flashmax bench`.
 # Run from the repository root on a GPU machine without registry access, with the peers' wheels
 # in .whl/ (see benchmarks/NOTES.md) and FLASHMAX_COMMIT set to the commit being measured.
-# Writes under $OUT: fp32/ (JSON, markdown, plots), bf16/ and rand/ (JSON, markdown).
+# Writes under $OUT: fp32/ (JSON, markdown, plots), bf16/ and rand/ (JSON, markdown): 8 files,
+# as many as the device tool brings back (more: archive them, as h200_entmax15_run.sh does).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
