@@ -57,7 +57,7 @@ THRESHOLD_TILE = {False: 8192, True: 4096}
 THRESHOLD_TILE_ROWS = 256
 # Split pass 1's bound (`_entmax_chunk_bound`): a Newton iterate for the chunk's group maxima's
 # tau stopped once at most this many of them lie above it (0: their exact tau). H200 (NOTES,
-# v39): on randn rows 4-13% faster than exact from 8 x 1048576 to 512 x 131072, fp32 and
+# v39): on randn rows 7-12% faster than exact from 8 x 1048576 to 512 x 131072, fp32 and
 # bf16; 512 is faster still at 512 rows but slower at 32; rand and randn x 0.01 unchanged.
 ENTMAX_BOUND_GROUPS = 128
 
