@@ -301,6 +301,7 @@ class Entmax15SplitRows(SplitRows):
     and outputs."""
 
     chunk_bound = _entmax_chunk_bound
+    bound_groups_by_rows = {False: ENTMAX_BOUND_GROUPS, True: ENTMAX_BOUND_GROUPS}
     threshold_kernel = entmax15_split_threshold_kernel
     outputs = _entmax_split_outputs
 
@@ -473,7 +474,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks, in
     sparsemax's three passes (`Entmax15SplitRows`; `threshold_tile`, default THRESHOLD_TILE's,
-    as in `sparsemax_forward`, and `bound_groups`, default ENTMAX_BOUND_GROUPS's).
+    as in `sparsemax_forward`, and `bound_groups`, default ENTMAX_BOUND_GROUPS).
     `programs_per_sm` and `row_threads` as in `rows_launch`. The other keyword arguments
     override the launch heuristics (for benchmarks and tests).
     """
@@ -492,9 +493,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
             threshold_tile = THRESHOLD_TILE[n_rows >= THRESHOLD_TILE_ROWS]
         split = Entmax15SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide,
                                   group, num_warps, threshold_tile=threshold_tile,
-                                  programs_per_sm=programs_per_sm,
-                                  bound_groups=ENTMAX_BOUND_GROUPS if bound_groups is None
-                                  else bound_groups)
+                                  programs_per_sm=programs_per_sm, bound_groups=bound_groups)
         split.bounds()
         split.write(split.threshold())
         return y

@@ -1170,10 +1170,12 @@ class SplitRows:
     The keyword arguments override the launch heuristics (benchmarks, tests); with
     `programs_per_sm` (default SPLIT_PROGRAMS_PER_SM; 0: one program per chunk), pass 1 runs
     that many programs per multiprocessor, each walking chunks and prefetching the next;
-    `bound_groups` overrides SPLIT_BOUND_GROUPS. Another op (entmax-1.5) subclasses it with its
-    own chunk bound, row pass and outputs."""
+    `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_BOUND_ROWS).
+    Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
+    and outputs."""
 
     chunk_bound = _sparsemax_chunk_bound
+    bound_groups_by_rows = SPLIT_BOUND_GROUPS
     threshold_kernel = sparsemax_split_threshold_kernel
     outputs = _outputs_within
 
@@ -1197,7 +1199,8 @@ class SplitRows:
         self.bounds_grid = (programs,)
         self.bounds_options = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
                                        scatter_ptx(y.element_size())), PREFETCH=programs < chunks,
-                                   BOUND_GROUPS=SPLIT_BOUND_GROUPS[n_rows >= SPLIT_BOUND_ROWS]
+                                   BOUND_GROUPS=self.bound_groups_by_rows[
+                                       n_rows >= SPLIT_BOUND_ROWS]
                                    if bound_groups is None else bound_groups,
                                    BOUND=self.chunk_bound)
         self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
