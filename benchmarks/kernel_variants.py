@@ -220,26 +220,33 @@ def end_to_end(records, rows):
                             forward_op_us=fwd, forward_launch_us=launch))
 
 
-def profile_kernels(shapes, reps=10):
-    """Per-kernel GPU time of the default forward (median over reps, fp32 randn and rand): which
-    pass of a multi-kernel path holds the time."""
+def profile_kernels(shapes, modules, reps=3):
+    """Per-kernel GPU time of each module's default forward (median over calls, fp32 randn,
+    rand and randn x 0.01, each call on one of several inputs so that each reads x from HBM, as
+    the timings do): which pass of a multi-kernel path holds the time."""
     from torch.profiler import ProfilerActivity, profile
 
     for rows, n in shapes:
-        for dist in ("randn", "rand"):
-            x = make(dist, rows, n, torch.float32, 0)
-            kernels.sparsemax_forward(x, 1)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(reps):
-                    kernels.sparsemax_forward(x, 1)
+        n_inputs = max(2, min(64, L2_MULTIPLE_BYTES // (rows * n * 4)))
+        for dist in ("randn", "rand", "randn0.01"):
+            inputs = [make(dist, rows, n, torch.float32, seed) for seed in range(n_inputs)]
+            for name, module in modules.items():
+                module.sparsemax_forward(inputs[0], 1)
                 torch.cuda.synchronize()
-            times = {}
-            for event in prof.events():
-                if event.device_type == torch.autograd.DeviceType.CUDA:
-                    times.setdefault(event.name, []).append(event.device_time)
-            parts = ", ".join(f"{name} {statistics.median(t):.1f}" for name, t in times.items())
-            print(f"profile {rows}x{n} {dist}: {parts} (us, L2 warm)", flush=True)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(reps):
+                        for x in inputs:
+                            module.sparsemax_forward(x, 1)
+                    torch.cuda.synchronize()
+                times = {}
+                for event in prof.events():
+                    if event.device_type == torch.autograd.DeviceType.CUDA:
+                        times.setdefault(event.name.removesuffix("_kernel"), []).append(
+                            event.device_time)
+                parts = ", ".join(f"{kernel} {statistics.median(t):.1f}"
+                                  for kernel, t in times.items())
+                print(f"profile {name} {rows}x{n} {dist}: {parts} (us)", flush=True)
+            del inputs
 
 
 def main():
@@ -267,7 +274,8 @@ def main():
                         help="rows are the columns of contiguous N x ROWS tensors, reduced "
                              "over dim 0 (`make`)")
     parser.add_argument("--profile", action="store_true",
-                        help="also print each kernel's GPU time on --shapes")
+                        help="also print each kernel's GPU time on --shapes (each --baseline's "
+                             "too)")
     args = parser.parse_args()
     widths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
     shapes = [(args.tokens, n) for n in widths]
@@ -353,7 +361,7 @@ def main():
     if not args.shapes and args.op == "sparsemax":
         end_to_end(records, args.tokens)
     if args.profile and args.shapes:
-        profile_kernels(shapes)
+        profile_kernels(shapes, {"default": module, **baselines})
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__)

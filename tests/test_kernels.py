@@ -94,11 +94,13 @@ def test_forward_fp64():
      {"chunk": 128, "sparse_write": 1}, {"chunk": 128, "threshold_tile": 16},
      {"chunk": 64, "threshold_tile": 4}, {"programs_per_sm": 1},
      {"chunk": 128, "programs_per_sm": 0}, {"chunk": 256, "bound_groups": 0},
-     {"chunk": 256, "bound_groups": 2}],
+     {"chunk": 256, "bound_groups": 2}, {"chunk": 128, "early_zeros": 16},
+     {"chunk": 128, "early_zeros": 0}],
     ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
          "two-warps", "split", "split-no-groups", "split-rereading-chunks",
          "split-row-tile-per-chunk", "split-row-tile-across-chunks", "prefetching",
-         "split-chunk-a-program", "split-exact-bounds", "split-bounds-stopped-early"],
+         "split-chunk-a-program", "split-exact-bounds", "split-bounds-stopped-early",
+         "split-early-zeros", "split-no-early-zeros"],
 )
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 def test_every_launch_path_is_exact(config, dist):
@@ -106,7 +108,8 @@ def test_every_launch_path_is_exact(config, dist):
     assert_close_to_oracle(forward(x, **config).cpu(), x.cpu(), -1, rtol=1e-6)
 
 
-@pytest.mark.parametrize("config", [{}, {"sparse_write": 1}], ids=["sparse", "rereading"])
+@pytest.mark.parametrize("config", [{}, {"sparse_write": 1}, {"early_zeros": 32}],
+                         ids=["sparse", "rereading", "early-zeros"])
 def test_chunks_without_candidates(config):
     # Whole chunks below max - 1 hold no support: they must neither stall nor bias the bound.
     x = make("randn", ROWS, 1000, seed=18)
@@ -127,6 +130,8 @@ def test_chunks_too_full_to_store_candidates(dtype):
                            rtol=1e-6 if dtype != torch.bfloat16 else 1e-2)
     assert torch.equal(y, forward(x, chunk=128, sparse_write=1))
     assert torch.equal(y, forward(x, chunk=128, programs_per_sm=0))
+    # Pass 1 writing the zeros of chunks with few candidates (here any of them but the full).
+    assert torch.equal(y, forward(x, chunk=128, early_zeros=64))
     # Exact chunk bounds: fewer candidates, the same support.
     assert_close_to_oracle(forward(x, chunk=128, bound_groups=0).cpu().double(),
                            x.cpu().double(), -1, rtol=1e-6 if dtype != torch.bfloat16 else 1e-2)
@@ -325,9 +330,10 @@ def test_strided_views(config):
 
 @pytest.mark.parametrize("config", [{}, {"programs_per_sm": 1}, {"chunk": 16},
                                     {"chunk": 16, "sparse_write": 1},
-                                    {"chunk": 16, "programs_per_sm": 0}],
+                                    {"chunk": 16, "programs_per_sm": 0},
+                                    {"chunk": 16, "early_zeros": 8}],
                          ids=["in-registers", "prefetching", "split", "split-rereading",
-                              "split-chunk-a-program"])
+                              "split-chunk-a-program", "split-early-zeros"])
 def test_bad_rows_are_nan_and_leave_others_alone(config):
     x = make("randn", 6, 40, seed=7)
     x[0, 3] = torch.nan
@@ -523,7 +529,8 @@ def test_scatter_assembly_builds_for_sm90(dtype, index, prefetch):
          "split_bounds_kernel", "--dtype", dtype, "--warps", "4", "--const",
          f"CHUNK={chunk}", "GROUP=8", f"INDEX={index}", "WIDE=0", f"SCATTER_PTX={ptx}",
          f"SCATTER_CONSTRAINTS={constraints}", f"PREFETCH={prefetch}",
-         f"BOUND_GROUPS={kernels.SPLIT_BOUND_GROUPS[True]}", "BOUND=_sparsemax_chunk_bound"],
+         f"BOUND_GROUPS={kernels.SPLIT_BOUND_GROUPS[True]}", "BOUND=_sparsemax_chunk_bound",
+         f"EARLY_ZEROS={kernels.SPLIT_EARLY_ZEROS[True]}"],
         capture_output=True, text=True, env=env, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "registers" in built.stdout, built.stdout

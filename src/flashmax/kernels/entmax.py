@@ -469,18 +469,18 @@ BACKWARD_LAUNCHES = LaunchCache(entmax15_backward_kernel)
 
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                      block_m=None, chunk=None, programs_per_sm=None, row_threads=None,
-                     threshold_tile=None, bound_groups=None) -> torch.Tensor:
+                     threshold_tile=None, bound_groups=None, early_zeros=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks, in
     sparsemax's three passes (`Entmax15SplitRows`; `threshold_tile`, default THRESHOLD_TILE's,
-    as in `sparsemax_forward`, and `bound_groups`, default ENTMAX_BOUND_GROUPS).
+    as in `sparsemax_forward`, `bound_groups`, default ENTMAX_BOUND_GROUPS, and `early_zeros`).
     `programs_per_sm` and `row_threads` as in `rows_launch`. The other keyword arguments
     override the launch heuristics (for benchmarks and tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and programs_per_sm is None and row_threads is None
-                and threshold_tile is None and bound_groups is None)
+                and threshold_tile is None and bound_groups is None and early_zeros is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -493,7 +493,8 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
             threshold_tile = THRESHOLD_TILE[n_rows >= THRESHOLD_TILE_ROWS]
         split = Entmax15SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide,
                                   group, num_warps, threshold_tile=threshold_tile,
-                                  programs_per_sm=programs_per_sm, bound_groups=bound_groups)
+                                  programs_per_sm=programs_per_sm, bound_groups=bound_groups,
+                                  early_zeros=early_zeros)
         split.bounds()
         split.write(split.threshold())
         return y

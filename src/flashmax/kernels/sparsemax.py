@@ -121,6 +121,13 @@ SPLIT_BOUND_ROWS = 8
 SPLIT_PROGRAMS_PER_SM = 2
 # A chunk with at most this many candidates writes its outputs without reading its input again.
 SPARSE_WRITE = 1024
+# Split pass 1 writes the zeros of chunks that stored at most this many candidates (a power of
+# two at most SPARSE_WRITE, or 0), by n_rows >= SPLIT_MANY_ROWS, so that the write pass writes
+# only their candidates' slots and outputs. Measured on an H200 (benchmarks/NOTES.md, v40):
+# randn rows 512 x 131072 1.79 -> 1.50 x clone, 32 x 1048576 1.66 -> 1.40; more candidates
+# (rand, randn x 0.01) lost 3-14%, pass 1's stores costing more than the write pass saved;
+# few rows (8 x 1048576, 16384-entry chunks) lost 7-13%.
+SPLIT_EARLY_ZEROS = {False: 0, True: 64}
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk).
 THRESHOLD_TILE = 4096
 # Bits of a stored candidate's index, per output dtype.
@@ -616,18 +623,19 @@ def _sparsemax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner,
+def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
                   y_stride_outer, y_stride_inner, y_stride_n,
                   CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr,
                   WIDE: tl.constexpr, SCATTER_PTX: tl.constexpr,
                   SCATTER_CONSTRAINTS: tl.constexpr, BOUND_GROUPS: tl.constexpr,
-                  BOUND: tl.constexpr):
+                  BOUND: tl.constexpr, EARLY_ZEROS: tl.constexpr):
     """Split pass 1's work on chunk pid, loaded as x_in: the chunk's max, a lower bound on the
     row's threshold relative to that max (BOUND: the op's, `_sparsemax_chunk_bound` or
     entmax-1.5's, from the chunk's group maxima), and its candidates: the entries above that
     bound, a superset of the chunk's part of the row's support. When they fill at most half
     the chunk, they are stored in the output's chunk (values, then their indices as INDEX
-    bits), so that later passes need not read the chunk again."""
+    bits), so that later passes need not read the chunk again; when they are at most
+    EARLY_ZEROS, every other output of the chunk is 0, written here."""
     row = pid // n_splits
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
     group_max = _group_max(x)
@@ -652,6 +660,13 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner,
                  SCATTER_CONSTRAINTS)
         _scatter(y_row + count * y_stride_n, index[None, :, :].to(INDEX), keep, SCATTER_PTX,
                  SCATTER_CONSTRAINTS)
+        if count <= EARLY_ZEROS:
+            # Stores while the chunk is in flight: the write pass then writes only the
+            # candidates' slots and outputs, not the whole chunk.
+            y_off, y_mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                         y_stride_inner, y_stride_n, CHUNK, GROUP, WIDE)[1:]
+            tl.store(Y + y_off, tl.zeros(y_mask.shape, Y.dtype.element_ty),
+                     mask=y_mask & (index >= 2 * count)[None, :, :])
     part = PART + pid * PART_SIZE
     tl.store(part + PART_MAX, tl.reshape(chunk_max, []))
     tl.store(part + PART_BOUND, tl.reshape(bound, []))
@@ -665,7 +680,7 @@ def split_bounds_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
     SCATTER_PTX: tl.constexpr, SCATTER_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr,
-    BOUND_GROUPS: tl.constexpr, BOUND: tl.constexpr,
+    BOUND_GROUPS: tl.constexpr, BOUND: tl.constexpr, EARLY_ZEROS: tl.constexpr,
 ):
     """Split pass 1 (`_chunk_bounds`), one chunk per program; with PREFETCH program p does
     chunks p, p + programs, ... and loads the next one before working on this one, as
@@ -682,15 +697,15 @@ def split_bounds_kernel(
             off, mask = _split_chunk(following, n_splits, n_rows, n, inner, x_stride_outer,
                                      x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)[1:]
             x_next = tl.load(X + off, mask=mask, other=-float("inf"))
-            _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner, y_stride_outer,
+            _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner, y_stride_outer,
                           y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
-                          SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND)
+                          SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, EARLY_ZEROS)
             x_in = x_next
             pid = following
     else:
-        _chunk_bounds(x_in, pid, Y, PART, n_splits, n, inner, y_stride_outer, y_stride_inner,
-                      y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX, SCATTER_CONSTRAINTS,
-                      BOUND_GROUPS, BOUND)
+        _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner, y_stride_outer,
+                      y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
+                      SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, EARLY_ZEROS)
 
 
 @triton.jit
@@ -844,17 +859,55 @@ def sparsemax_split_sums_kernel(
 
 
 @triton.jit
+def _write_stored_chunk(Y, pid, row, split, count, row_max, pivot, step, bad, zero_below,
+                        n_splits, n_rows, n, inner, y_stride_outer, y_stride_inner, y_stride_n,
+                        CHUNK: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr,
+                        INDEX: tl.constexpr, WIDE: tl.constexpr, OUTPUTS: tl.constexpr,
+                        SLOTS_ONLY: tl.constexpr):
+    """Split pass 3 on a chunk that stored its `count` (at most WIDTH) candidates, reading
+    nothing else: zeros over the chunk (NaN in a bad row; SLOTS_ONLY: zeros over the
+    candidates' slots alone, pass 1 having written the others), then the candidates'
+    outputs."""
+    slot = tl.arange(0, WIDTH)
+    live = slot < count
+    cand_off = _entry_offsets(row, split * CHUNK + slot, inner, y_stride_outer, y_stride_inner,
+                              y_stride_n, WIDE)
+    cand = tl.load(Y + cand_off, mask=live, other=-float("inf"))
+    index = tl.load(Y + cand_off + count * y_stride_n, mask=live, other=0.0)
+    index = index.to(INDEX, bitcast=True).to(tl.int32)
+    # The candidates are read from the chunk the zeros overwrite, and some outputs land
+    # where zeros were written: every thread's accesses must be done before the next step.
+    tl.debug_barrier()
+    if SLOTS_ONLY:
+        slots = tl.arange(0, 2 * WIDTH)
+        tl.store(Y + _entry_offsets(row, split * CHUNK + slots, inner, y_stride_outer,
+                                    y_stride_inner, y_stride_n, WIDE),
+                 tl.zeros(slots.shape, Y.dtype.element_ty), mask=slots < 2 * count)
+    else:
+        y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
+                                   y_stride_inner, y_stride_n, CHUNK, GROUP, WIDE)[1:]
+        zero = tl.where(bad, float("nan"), 0.0)[:, None, None] + tl.zeros(mask.shape, tl.float32)
+        tl.store(Y + y_off, zero.to(Y.dtype.element_ty), mask=mask)
+    tl.debug_barrier()
+    cand_d = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
+    cand_y = tl.reshape(OUTPUTS(cand_d, pivot, step, bad, zero_below), [WIDTH])
+    tl.store(Y + _entry_offsets(row, split * CHUNK + index, inner, y_stride_outer,
+                                y_stride_inner, y_stride_n, WIDE),
+             cand_y.to(Y.dtype.element_ty), mask=live)
+
+
+@triton.jit
 def split_write_kernel(
     X, Y, PART, STATE, n_splits, n_rows, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, SPARSE: tl.constexpr, INDEX: tl.constexpr,
-    WIDE: tl.constexpr, OUTPUTS: tl.constexpr,
+    WIDE: tl.constexpr, OUTPUTS: tl.constexpr, EARLY_ZEROS: tl.constexpr,
 ):
     """Split pass 3, one chunk per program: the outputs OUTPUTS(x - max, pivot, step, bad,
     zero_below) (the op's, `_outputs_within` or entmax-1.5's). A chunk that stored at most
-    SPARSE candidates writes zeros and then its candidates' outputs, reading nothing but them;
-    the other chunks are read again."""
+    SPARSE candidates writes them alone (`_write_stored_chunk`; with at most EARLY_ZEROS, a
+    power of two or 0, pass 1 wrote its other zeros); the other chunks are read again."""
     pid = tl.program_id(0)
     row = pid // n_splits
     state = STATE + row * STATE_SIZE
@@ -865,28 +918,15 @@ def split_write_kernel(
     bad = _is_bad(row_max)
     split = pid % n_splits
     count, stored = _chunk_extent(PART, row, split, n_splits, n, CHUNK)[1:]
-    if stored & (count <= SPARSE):
-        slot = tl.arange(0, SPARSE)
-        live = slot < count
-        cand_off = _entry_offsets(row, split * CHUNK + slot, inner, y_stride_outer,
-                                  y_stride_inner, y_stride_n, WIDE)
-        cand = tl.load(Y + cand_off, mask=live, other=-float("inf"))
-        index = tl.load(Y + cand_off + count * y_stride_n, mask=live, other=0.0)
-        index = index.to(INDEX, bitcast=True).to(tl.int32)
-        # The candidates are read from the chunk the zeros overwrite, and some outputs land
-        # where zeros were written: every thread's accesses must be done before the next step.
-        tl.debug_barrier()
-        y_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, y_stride_outer,
-                                   y_stride_inner, y_stride_n, CHUNK, GROUP, WIDE)[1:]
-        zero = tl.where(bad, float("nan"), 0.0)[:, None, None] + tl.zeros(mask.shape, tl.float32)
-        tl.store(Y + y_off, zero.to(Y.dtype.element_ty), mask=mask)
-        tl.debug_barrier()
-        cand_d = cand.to(row_max.dtype)[None, None, :] - row_max[:, None, None]
-        cand_y = OUTPUTS(cand_d, pivot, step, bad, zero_below)
-        cand_y = tl.reshape(cand_y, [SPARSE])
-        tl.store(Y + _entry_offsets(row, split * CHUNK + index, inner, y_stride_outer,
-                                    y_stride_inner, y_stride_n, WIDE),
-                 cand_y.to(Y.dtype.element_ty), mask=live)
+    EARLY_WIDTH: tl.constexpr = EARLY_ZEROS if EARLY_ZEROS > 0 else 1
+    if stored & (count <= EARLY_ZEROS) & (tl.sum(bad.to(tl.int32), axis=0) == 0):
+        _write_stored_chunk(Y, pid, row, split, count, row_max, pivot, step, bad, zero_below,
+                            n_splits, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                            y_stride_n, CHUNK, GROUP, EARLY_WIDTH, INDEX, WIDE, OUTPUTS, True)
+    elif stored & (count <= SPARSE):
+        _write_stored_chunk(Y, pid, row, split, count, row_max, pivot, step, bad, zero_below,
+                            n_splits, n_rows, n, inner, y_stride_outer, y_stride_inner,
+                            y_stride_n, CHUNK, GROUP, SPARSE, INDEX, WIDE, OUTPUTS, False)
     else:
         x_off, mask = _split_chunk(pid, n_splits, n_rows, n, inner, x_stride_outer,
                                    x_stride_inner, x_stride_n, CHUNK, GROUP, WIDE)[1:]
@@ -1170,18 +1210,20 @@ class SplitRows:
     The keyword arguments override the launch heuristics (benchmarks, tests); with
     `programs_per_sm` (default SPLIT_PROGRAMS_PER_SM; 0: one program per chunk), pass 1 runs
     that many programs per multiprocessor, each walking chunks and prefetching the next;
-    `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_BOUND_ROWS).
+    `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_BOUND_ROWS),
+    `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`).
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
     chunk_bound = _sparsemax_chunk_bound
     bound_groups_by_rows = SPLIT_BOUND_GROUPS
+    early_zeros_by_rows = SPLIT_EARLY_ZEROS
     threshold_kernel = sparsemax_split_threshold_kernel
     outputs = _outputs_within
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
                  num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None,
-                 bound_groups=None):
+                 bound_groups=None, early_zeros=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -1197,13 +1239,16 @@ class SplitRows:
         programs = walking_programs(
             chunks, SPLIT_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm, x.device)
         self.bounds_grid = (programs,)
+        self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
+        if early_zeros is None:
+            early_zeros = self.early_zeros_by_rows[n_rows >= SPLIT_MANY_ROWS]
+        self.early_zeros = min(self.sparse, _next_power_of_2(early_zeros) if early_zeros else 0)
         self.bounds_options = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
                                        scatter_ptx(y.element_size())), PREFETCH=programs < chunks,
                                    BOUND_GROUPS=self.bound_groups_by_rows[
                                        n_rows >= SPLIT_BOUND_ROWS]
                                    if bound_groups is None else bound_groups,
-                                   BOUND=self.chunk_bound)
-        self.sparse = _next_power_of_2(SPARSE_WRITE if sparse_write is None else sparse_write)
+                                   BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros)
         tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.tile_entries = tile
@@ -1248,7 +1293,8 @@ class SplitRows:
         """Pass 3: y from STATE [rows, STATE_SIZE]."""
         split_write_kernel[self.grid](
             self.x, self.y, self.part, state, self.n_splits, self.n_rows, self.n, self.inner,
-            *self.strides, SPARSE=self.sparse, OUTPUTS=self.outputs, **self.tile)
+            *self.strides, SPARSE=self.sparse, OUTPUTS=self.outputs,
+            EARLY_ZEROS=self.early_zeros, **self.tile)
 
 
 FORWARD_LAUNCHES = LaunchCache(sparsemax_forward_kernel)
@@ -1424,7 +1470,7 @@ def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
                       programs_per_sm=None, bound_groups=None, row_threads=None,
-                      adjacent_values=None) -> torch.Tensor:
+                      adjacent_values=None, early_zeros=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -1434,14 +1480,14 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
-    `bound_groups` (`SplitRows`), `row_threads` (`rows_launch`), `adjacent_values`
+    `bound_groups` and `early_zeros` (`SplitRows`), `row_threads` (`rows_launch`), `adjacent_values`
     (`adjacent_launch`'s values). The other keyword arguments override the launch heuristics
     (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
                 and programs_per_sm is None and bound_groups is None and row_threads is None
-                and adjacent_values is None)
+                and adjacent_values is None and early_zeros is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -1451,7 +1497,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
         split = SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
-                          num_warps, sparse_write, threshold_tile, programs_per_sm, bound_groups)
+                          num_warps, sparse_write, threshold_tile, programs_per_sm, bound_groups,
+                          early_zeros)
         split.bounds()
         split.write(split.threshold())
         return y
