@@ -123,10 +123,11 @@ SPLIT_PROGRAMS_PER_SM = 2
 SPARSE_WRITE = 1024
 # Split pass 1 writes the zeros of chunks that stored at most this many candidates (a power of
 # two at most SPARSE_WRITE, or 0), by n_rows >= SPLIT_MANY_ROWS, so that the write pass writes
-# only their candidates' slots and outputs. Measured on an H200 (benchmarks/NOTES.md, v40):
-# randn rows 512 x 131072 1.79 -> 1.50 x clone, 32 x 1048576 1.66 -> 1.40; more candidates
-# (rand, randn x 0.01) lost 3-14%, pass 1's stores costing more than the write pass saved;
-# few rows (8 x 1048576, 16384-entry chunks) lost 7-13%.
+# only their candidates' slots and outputs. Measured on an H200 (benchmarks/NOTES.md, v40),
+# forward x clone on randn rows: 512 x 131072 1.78 -> 1.55, 128 x 262144 1.65 -> 1.40,
+# 32 x 1048576 1.82 -> 1.56; rows with more candidates within 2%. Every chunk of at most
+# SPARSE_WRITE candidates lost 3-14% on those (rand, randn x 0.01), and few rows (8 x 1048576,
+# 16384-entry chunks, one program a SM) lost 7-13% whatever the cap.
 SPLIT_EARLY_ZEROS = {False: 0, True: 64}
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk).
 THRESHOLD_TILE = 4096
