@@ -305,6 +305,10 @@ class Entmax15SplitRows(SplitRows):
     threshold_kernel = entmax15_split_threshold_kernel
     outputs = _entmax_split_outputs
 
+    @staticmethod
+    def default_threshold_tile(n_rows: int) -> int:
+        return THRESHOLD_TILE[n_rows >= THRESHOLD_TILE_ROWS]
+
 
 @triton.jit
 def _weighted_sums(y, g):
@@ -489,8 +493,6 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
     wide = _wide(n, x_strides[2], y_strides[2])
     if n > chunk:
-        if threshold_tile is None:
-            threshold_tile = THRESHOLD_TILE[n_rows >= THRESHOLD_TILE_ROWS]
         split = Entmax15SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide,
                                   group, num_warps, threshold_tile=threshold_tile,
                                   programs_per_sm=programs_per_sm, bound_groups=bound_groups,

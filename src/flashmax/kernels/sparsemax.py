@@ -1212,7 +1212,8 @@ class SplitRows:
     `programs_per_sm` (default SPLIT_PROGRAMS_PER_SM; 0: one program per chunk), pass 1 runs
     that many programs per multiprocessor, each walking chunks and prefetching the next;
     `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_BOUND_ROWS),
-    `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`).
+    `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
+    `threshold_tile` its `default_threshold_tile(n_rows)`.
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
@@ -1250,11 +1251,16 @@ class SplitRows:
                                        n_rows >= SPLIT_BOUND_ROWS]
                                    if bound_groups is None else bound_groups,
                                    BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros)
-        tile = THRESHOLD_TILE if threshold_tile is None else threshold_tile
+        tile = self.default_threshold_tile(n_rows) if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.tile_entries = tile
         self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits, WIDTH=self._width(splits),
                              WIDE=wide, num_warps=max(1, min(16, tile // 1024)))
+
+    @staticmethod
+    def default_threshold_tile(n_rows: int) -> int:
+        """The op's default row-pass tile (`threshold_tile`) for n_rows rows."""
+        return THRESHOLD_TILE
 
     def _width(self, splits: int, points: int = 1) -> int:
         """A row pass's candidates per chunk at a time: the tile holds points x splits x that."""
