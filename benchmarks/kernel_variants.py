@@ -27,6 +27,12 @@ from flashmax.reference_entmax import entmax15_backward, entmax15_sort
 L2_MULTIPLE_BYTES = 512 * 2**20  # inputs per replay total at least this: ~8x the H200's L2
 
 
+def cold_inputs(rows, n, itemsize):
+    """How many distinct inputs of rows x n entries keep each call's read cold (L2_MULTIPLE_BYTES
+    in all, 2 to 64 of them)."""
+    return max(2, min(64, L2_MULTIPLE_BYTES // (rows * n * itemsize)))
+
+
 def make(dist, rows, n, dtype, seed, columns=False):
     """rows x n inputs; with columns, n x rows ones, reduced over dim 0 (a row's entries `rows`
     apart, rows adjacent in memory: an [N, C, H, W] input reduced over C)."""
@@ -220,23 +226,23 @@ def end_to_end(records, rows):
                             forward_op_us=fwd, forward_launch_us=launch))
 
 
-def profile_kernels(shapes, modules, reps=3):
-    """Per-kernel GPU time of each module's default forward (median over calls, fp32 randn,
-    rand and randn x 0.01, each call on one of several inputs so that each reads x from HBM, as
-    the timings do): which pass of a multi-kernel path holds the time."""
+def profile_kernels(op, shapes, modules, reps=3):
+    """Per-kernel GPU time of op's default forward from each kernels module (median over
+    calls, fp32 randn, rand and randn x 0.01, each call on one of several inputs so that each
+    reads x from HBM, as the timings do): which pass of a multi-kernel path holds the time."""
     from torch.profiler import ProfilerActivity, profile
 
     for rows, n in shapes:
-        n_inputs = max(2, min(64, L2_MULTIPLE_BYTES // (rows * n * 4)))
+        n_inputs = cold_inputs(rows, n, 4)
         for dist in ("randn", "rand", "randn0.01"):
             inputs = [make(dist, rows, n, torch.float32, seed) for seed in range(n_inputs)]
             for name, module in modules.items():
-                module.sparsemax_forward(inputs[0], 1)
+                op.forward(module, inputs[0])
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(reps):
                         for x in inputs:
-                            module.sparsemax_forward(x, 1)
+                            op.forward(module, x)
                     torch.cuda.synchronize()
                 times = {}
                 for event in prof.events():
@@ -298,7 +304,7 @@ def main():
     records = []
     for rows, n in shapes:
         for dtype in (torch.float32, torch.bfloat16):
-            n_inputs = max(2, min(64, L2_MULTIPLE_BYTES // (rows * n * dtype.itemsize)))
+            n_inputs = cold_inputs(rows, n, dtype.itemsize)
             for dist in DISTS[dtype]:
                 inputs = [make(dist, rows, n, dtype, seed, args.columns)
                           for seed in range(n_inputs)]
@@ -361,7 +367,7 @@ def main():
     if not args.shapes and args.op == "sparsemax":
         end_to_end(records, args.tokens)
     if args.profile and args.shapes:
-        profile_kernels(shapes, {"default": module, **baselines})
+        profile_kernels(op, shapes, {"default": module, **baselines})
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__)
