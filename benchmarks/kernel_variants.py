@@ -226,23 +226,24 @@ def end_to_end(records, rows):
                             forward_op_us=fwd, forward_launch_us=launch))
 
 
-def profile_kernels(op, shapes, modules, reps=3):
-    """Per-kernel GPU time of op's default forward from each kernels module (median over
-    calls, fp32 randn, rand and randn x 0.01, each call on one of several inputs so that each
-    reads x from HBM, as the timings do): which pass of a multi-kernel path holds the time."""
+def profile_kernels(op, shapes, forwards, reps=3):
+    """Per-kernel GPU time of each of `forwards` ({name: (kernels module, overrides)}: op's
+    forward from that module with those launch overrides), median over calls, fp32 randn, rand
+    and randn x 0.01, each call on one of several inputs so that each reads x from HBM, as the
+    timings do: which pass of a multi-kernel path holds the time."""
     from torch.profiler import ProfilerActivity, profile
 
     for rows, n in shapes:
         n_inputs = cold_inputs(rows, n, 4)
         for dist in ("randn", "rand", "randn0.01"):
             inputs = [make(dist, rows, n, torch.float32, seed) for seed in range(n_inputs)]
-            for name, module in modules.items():
-                op.forward(module, inputs[0])
+            for name, (module, config) in forwards.items():
+                op.forward(module, inputs[0], **config)
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(reps):
                         for x in inputs:
-                            op.forward(module, x)
+                            op.forward(module, x, **config)
                     torch.cuda.synchronize()
                 times = {}
                 for event in prof.events():
@@ -281,7 +282,7 @@ def main():
                              "over dim 0 (`make`)")
     parser.add_argument("--profile", action="store_true",
                         help="also print each kernel's GPU time on --shapes (each --baseline's "
-                             "too)")
+                             "too, and with --variants-on-shapes each --variants')")
     args = parser.parse_args()
     widths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
     shapes = [(args.tokens, n) for n in widths]
@@ -367,7 +368,12 @@ def main():
     if not args.shapes and args.op == "sparsemax":
         end_to_end(records, args.tokens)
     if args.profile and args.shapes:
-        profile_kernels(op, shapes, {"default": module, **baselines})
+        profiled = {"default": (module, {})}
+        if args.variants_on_shapes and args.variants:
+            profiled.update((name, (module, config))
+                            for name, config in json.loads(args.variants).items())
+        profiled.update((name, (other, {})) for name, other in baselines.items())
+        profile_kernels(op, shapes, profiled)
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__)

@@ -28,11 +28,11 @@ import triton.language as tl
 from .launch import LaunchCache
 from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, STATE_MAX, STATE_PIVOT,
                         STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward, SplitRows,
-                        _add_add, _candidate_values, _chunk_extent, _compute_dtype,
-                        _entry_offsets, _group_max, _is_bad, _load_raw_rows, _load_y_g,
+                        _add_add, _candidate_values, _chunk_extent, _compute_dtype, _entry_offsets,
+                        _group_max, _held_candidates, _is_bad, _load_raw_rows, _load_y_g,
                         _map_rows, _next_power_of_2, _row_partials, _rows, _split_gradient_chunk,
-                        _split_row_start, _split_y_g_chunk, _store_partials, _store_rows,
-                        _strided, _support_found, _tile_max, _tile_threshold, _wide, kept_launch,
+                        _split_row_start, _split_y_g_chunk, _store_partials, _store_rows, _strided,
+                        _support_found, _tile_max, _tile_threshold, _wide, kept_launch,
                         launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
@@ -240,11 +240,13 @@ def entmax15_split_threshold_kernel(
     """Split pass 2 (`Entmax15SplitRows`), one program per row: the row's max and exact tau
     in z = (x - max) / 2, by Newton from the best chunk bound over the chunks' candidates.
 
-    The stored candidates are read SPLITS chunks times WIDTH at a time; a chunk that stored
-    none (over half of it are candidates: supports of a large share of the row, as nearly
-    tied rows have) is read whole, in contiguous pieces of as many entries, and only where a
-    group of SPLITS chunks holds one. H200 (NOTES, v37-v37c, 32 x 1048576 randn x 0.01): read
-    through the candidates' [SPLITS, WIDTH] tiles, 51.4 x clone; in pieces, 23.7."""
+    When one tile holds the row's candidates (`_held_candidates`), it stays in registers
+    across the steps. Else the stored candidates are read SPLITS chunks times WIDTH at a time;
+    a chunk that stored none (over half of it are candidates: supports of a large share of the
+    row, as nearly tied rows have) is read whole, in contiguous pieces of as many entries, and
+    only where a group of SPLITS chunks holds one. H200 (NOTES, v37-v37c, 32 x 1048576
+    randn x 0.01): read through the candidates' [SPLITS, WIDTH] tiles, 51.4 x clone; in
+    pieces, 23.7."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     # In d = x - max, tau >= -2.
@@ -253,6 +255,9 @@ def entmax15_split_threshold_kernel(
     step = tl.zeros_like(pivot)
     centre = tl.zeros_like(pivot)
     done = _is_bad(row_max)
+    held, held_d = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
+                                    x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
+                                    y_stride_n, row_max, CHUNK, SPLITS, WIDTH, WIDE)
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
@@ -260,31 +265,37 @@ def entmax15_split_threshold_kernel(
         s2 = tl.zeros_like(pivot)
         count = tl.zeros_like(pivot)
         smallest = tl.full(pivot.shape, float("inf"), compute)
-        for first in range(0, n_splits, SPLITS):
-            splits = first + tl.arange(0, SPLITS)
-            _, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
-            width = tl.where(stored, stored_count, 0)
-            for offset in range(0, tl.max(width, 0), WIDTH):
-                x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
-                                      x_stride_outer, x_stride_inner, x_stride_n,
-                                      y_stride_outer, y_stride_inner, y_stride_n, CHUNK, WIDTH,
-                                      WIDE)
-                z = (x.to(compute) - row_max) * 0.5
-                sums = _entmax_sums(tl.expand_dims(z, 0), pivot + step, centre)
-                s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *sums)
-            if tl.min(stored.to(tl.int32), 0) == 0:
-                for split in range(first, first + SPLITS):
-                    if _chunk_extent(PART, row, split, n_splits, n, CHUNK)[2] == 0:
-                        for start in range(0, CHUNK, SPLITS * WIDTH):
-                            piece = start + tl.arange(0, SPLITS * WIDTH)
-                            cols = split * CHUNK + piece
-                            x = tl.load(X + _entry_offsets(row, cols, inner, x_stride_outer,
-                                                           x_stride_inner, x_stride_n, WIDE),
-                                        mask=(piece < CHUNK) & (cols < n), other=-float("inf"))
-                            z = (x.to(compute) - row_max) * 0.5
-                            sums = _entmax_sums(z[None, None, :], pivot + step, centre)
-                            s1, s2, count, smallest = _add4_min(s1, s2, count, smallest,
-                                                                *sums)
+        if held:
+            sums = _entmax_sums(held_d * 0.5, pivot + step, centre)
+            s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *sums)
+        else:
+            for first in range(0, n_splits, SPLITS):
+                splits = first + tl.arange(0, SPLITS)
+                _, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
+                width = tl.where(stored, stored_count, 0)
+                for offset in range(0, tl.max(width, 0), WIDTH):
+                    x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
+                                          x_stride_outer, x_stride_inner, x_stride_n,
+                                          y_stride_outer, y_stride_inner, y_stride_n, CHUNK,
+                                          WIDTH, WIDE)
+                    z = (x.to(compute) - row_max) * 0.5
+                    sums = _entmax_sums(tl.expand_dims(z, 0), pivot + step, centre)
+                    s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *sums)
+                if tl.min(stored.to(tl.int32), 0) == 0:
+                    for split in range(first, first + SPLITS):
+                        if _chunk_extent(PART, row, split, n_splits, n, CHUNK)[2] == 0:
+                            for start in range(0, CHUNK, SPLITS * WIDTH):
+                                piece = start + tl.arange(0, SPLITS * WIDTH)
+                                cols = split * CHUNK + piece
+                                x = tl.load(X + _entry_offsets(row, cols, inner,
+                                                               x_stride_outer, x_stride_inner,
+                                                               x_stride_n, WIDE),
+                                            mask=(piece < CHUNK) & (cols < n),
+                                            other=-float("inf"))
+                                z = (x.to(compute) - row_max) * 0.5
+                                sums = _entmax_sums(z[None, None, :], pivot + step, centre)
+                                s1, s2, count, smallest = _add4_min(s1, s2, count, smallest,
+                                                                    *sums)
         pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step, centre,
                                                    done)
         steps += 1

@@ -102,9 +102,11 @@ EXACT_LOWER = tl.constexpr(2.0**-21)
 # registers of a whole row, as the first pass keeps its candidates' slots and offsets live too.
 # Measured on an H200 (benchmarks/NOTES.md, v10): from SPLIT_MANY_ROWS rows on, smaller
 # programs (several per SM, one's loads overlapping another's arithmetic) are faster; fewer rows
-# keep larger chunks, whose fewer candidates shorten the row pass.
+# keep larger chunks, whose fewer candidates shorten the row pass (v42: with the row pass's
+# candidates held in registers, 8 x 1048576 randn took 8192 entries and early zeros from
+# 2.28 to 1.91 x clone, 1 x 4194304 lost 26%).
 SPLIT_LAUNCH = {False: (16384, 16), True: (8192, 4)}
-SPLIT_MANY_ROWS = 16
+SPLIT_MANY_ROWS = 8
 # The split backward's (entries, warps) per chunk (fp64: half the entries). Measured on an H200
 # (benchmarks/NOTES.md, v11): 8192 over 4 warps beat 32768 over 8 (235 registers, one program
 # per SM) by 7-13% from 8 x 1048576 to 512 x 131072.
@@ -114,8 +116,7 @@ SPLIT_BACKWARD_LAUNCH = (8192, 4)
 # rows too few to spread the row pass over the GPU take tighter bounds. Measured on an H200
 # (benchmarks/NOTES.md, v19): on randn, 32 beat exact bounds by 7% (512 x 131072, 32 x 1048576,
 # 8 x 1048576) but lost 10% on 1 x 4194304, where 8 won 1%.
-SPLIT_BOUND_GROUPS = {False: 8, True: 32}  # by n_rows >= SPLIT_BOUND_ROWS
-SPLIT_BOUND_ROWS = 8
+SPLIT_BOUND_GROUPS = {False: 8, True: 32}  # by n_rows >= SPLIT_MANY_ROWS
 # Programs per SM of split pass 1, each walking chunks and loading the next before working on
 # this one (NOTES v19: 1-4% faster than a program per chunk at every long-row shape measured).
 SPLIT_PROGRAMS_PER_SM = 2
@@ -126,8 +127,8 @@ SPARSE_WRITE = 1024
 # only their candidates' slots and outputs. Measured on an H200 (benchmarks/NOTES.md, v40),
 # forward x clone on randn rows: 512 x 131072 1.78 -> 1.55, 128 x 262144 1.65 -> 1.40,
 # 32 x 1048576 1.82 -> 1.56; rows with more candidates within 2%. Every chunk of at most
-# SPARSE_WRITE candidates lost 3-14% on those (rand, randn x 0.01), and few rows (8 x 1048576,
-# 16384-entry chunks, one program a SM) lost 7-13% whatever the cap.
+# SPARSE_WRITE candidates lost 3-14% on those (rand, randn x 0.01), and rows of 16384-entry
+# chunks (8 x 1048576 before v42, one program a SM) lost 7-13% whatever the cap.
 SPLIT_EARLY_ZEROS = {False: 0, True: 64}
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk).
 THRESHOLD_TILE = 4096
@@ -754,6 +755,35 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
 
 
 @triton.jit
+def _held_candidates(X, Y, PART, row, n_splits, n, inner,
+                     x_stride_outer, x_stride_inner, x_stride_n,
+                     y_stride_outer, y_stride_inner, y_stride_n, row_max,
+                     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
+                     WIDE: tl.constexpr):
+    """Whether a split row's candidates fit in one of `_candidate_sums`' tiles (every chunk
+    stored its candidates, at most WIDTH, and SPLITS covers the chunks), and if so that tile as
+    z = x - max [1, SPLITS, WIDTH] (else not read): a row pass can keep it in registers across
+    its Newton steps instead of reading it at each."""
+    splits = tl.arange(0, SPLITS)
+    length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
+    width = tl.where(stored, stored_count, length)
+    held = (n_splits <= SPLITS) & (tl.max(width, 0) <= WIDTH)
+    x = _candidate_values(X, Y, row, splits, stored, tl.where(held, width, 0), 0, inner,
+                          x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
+                          y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE)
+    return held, tl.expand_dims(x.to(row_max.dtype) - row_max, 0)
+
+
+@triton.jit
+def _held_sums(z, tau, centre):
+    """`_candidate_sums` over candidates held in one tile (`_held_candidates`), the same sums
+    to the bit."""
+    zero = tl.zeros_like(tau)
+    return _add_add_min(zero, zero, tl.full(tau.shape, float("inf"), tau.dtype),
+                        *_step_sums(z, tau, centre))
+
+
+@triton.jit
 def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.constexpr,
                      FLOOR: tl.constexpr):
     """A split row's max [1] from its chunks' (PART), and their best bound on its threshold
@@ -785,7 +815,7 @@ def sparsemax_split_threshold_kernel(
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Split pass 2, one program per row: the row's max and exact tau, by Newton from the best
-    chunk bound over the chunks' candidates."""
+    chunk bound over the chunks' candidates (held in registers when one tile holds them)."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     row_max, tau = _split_row_start(PART, row, n_splits, SPLITS, compute, -1.0)
@@ -794,12 +824,18 @@ def sparsemax_split_threshold_kernel(
     centre = tl.zeros_like(tau)
     smallest = tl.full(tau.shape, float("inf"), compute)
     done = _is_bad(row_max)
+    held, z = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
+                               x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
+                               y_stride_n, row_max, CHUNK, SPLITS, WIDTH, WIDE)
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
-        total, count, smallest = _candidate_sums(
-            X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
-            y_stride_outer, y_stride_inner, y_stride_n, row_max, pivot + step, centre, CHUNK,
-            SPLITS, WIDTH, WIDE)
+        if held:
+            total, count, smallest = _held_sums(z, pivot + step, centre)
+        else:
+            total, count, smallest = _candidate_sums(
+                X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
+                x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, pivot + step,
+                centre, CHUNK, SPLITS, WIDTH, WIDE)
         pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
                                                    done)
         pending = tl.sum((~done).to(tl.int32), axis=0)
@@ -1211,7 +1247,7 @@ class SplitRows:
     The keyword arguments override the launch heuristics (benchmarks, tests); with
     `programs_per_sm` (default SPLIT_PROGRAMS_PER_SM; 0: one program per chunk), pass 1 runs
     that many programs per multiprocessor, each walking chunks and prefetching the next;
-    `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_BOUND_ROWS),
+    `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_MANY_ROWS),
     `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
     `threshold_tile` its `default_threshold_tile(n_rows)`.
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
@@ -1248,7 +1284,7 @@ class SplitRows:
         self.bounds_options = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
                                        scatter_ptx(y.element_size())), PREFETCH=programs < chunks,
                                    BOUND_GROUPS=self.bound_groups_by_rows[
-                                       n_rows >= SPLIT_BOUND_ROWS]
+                                       n_rows >= SPLIT_MANY_ROWS]
                                    if bound_groups is None else bound_groups,
                                    BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros)
         tile = self.default_threshold_tile(n_rows) if threshold_tile is None else threshold_tile
