@@ -246,6 +246,16 @@ def test_every_dim_without_copy(dim):
     assert_close_to_oracle(forward(x, dim).cpu(), x.cpu(), dim, rtol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [None, 128], ids=["in-registers", "split"])
+def test_launchers_take_a_negative_dim(chunk):
+    # Counted from the end, as torch does (a negative dim once read garbage strides).
+    x = make("randn", ROWS, 300, seed=23)
+    y = kernels.sparsemax_forward(x, -1, chunk=chunk)
+    assert torch.equal(y, kernels.sparsemax_forward(x, 1, chunk=chunk))
+    g = make("randn", ROWS, 300, seed=24)
+    assert torch.equal(kernels.sparsemax_backward(y, g, -1), kernels.sparsemax_backward(y, g, 1))
+
+
 def adjacent(rows: torch.Tensor, outer: int = 2) -> torch.Tensor:
     """rows (R x n) as an [outer, n, R / outer] tensor, contiguous: reduced over dim 1, its rows
     are adjacent in memory (an [N, C, H, W] input over C)."""

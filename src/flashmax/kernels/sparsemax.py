@@ -1170,6 +1170,8 @@ def _prod(values):
 def rows_view(t: torch.Tensor, dim: int):
     """t as an [outer, n, inner] strided view: (outer, inner, (stride_outer, stride_inner,
     stride_n)), or None when the dims around `dim` cannot be merged without a copy."""
+    if dim < 0:  # the slices below count dims from the front
+        dim += t.dim()
     before = _merge(t.shape[:dim], t.stride()[:dim])
     after = _merge(t.shape[dim + 1:], t.stride()[dim + 1:])
     if before is None or after is None:
