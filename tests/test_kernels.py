@@ -108,6 +108,18 @@ def test_every_launch_path_is_exact(config, dist):
     assert_close_to_oracle(forward(x, **config).cpu(), x.cpu(), -1, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dist", ["randn", "rand"])
+def test_split_row_pass_wider_than_its_held_tile(dist):
+    # Few rows' row pass reads 64 candidates of each of 128 chunks at a time, but holds a row
+    # in registers only if each chunk has at most 32 (HELD_TILE): row 0's 40 nearly tied
+    # entries in one chunk are read at each step, row 1's candidates held (randn).
+    chunks = 128
+    assert kernels.HELD_TILE // chunks < min(kernels.THRESHOLD_TILE[False] // chunks, 64)
+    x = make(dist, 2, 128 * chunks, seed=25)
+    x[0, 640:680] = x[0].max() + torch.linspace(0, 1e-3, 40, device=x.device)
+    assert_close_to_oracle(forward(x, chunk=128).cpu(), x.cpu(), -1, rtol=1e-6)
+
+
 @pytest.mark.parametrize("config", [{}, {"sparse_write": 1}, {"early_zeros": 32}],
                          ids=["sparse", "rereading", "early-zeros"])
 def test_chunks_without_candidates(config):

@@ -236,12 +236,13 @@ def entmax15_split_threshold_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
+    HELD_WIDTH: tl.constexpr,
 ):
     """Split pass 2 (`Entmax15SplitRows`), one program per row: the row's max and exact tau
     in z = (x - max) / 2, by Newton from the best chunk bound over the chunks' candidates.
 
-    When one tile holds the row's candidates (`_held_candidates`), it stays in registers
-    across the steps. Else the stored candidates are read SPLITS chunks times WIDTH at a time;
+    When a [SPLITS, HELD_WIDTH] tile holds the row's candidates (`_held_candidates`), it
+    stays in registers across the steps. Else the stored candidates are read SPLITS chunks times WIDTH at a time;
     a chunk that stored none (over half of it are candidates: supports of a large share of the
     row, as nearly tied rows have) is read whole, in contiguous pieces of as many entries, and
     only where a group of SPLITS chunks holds one. H200 (NOTES, v37-v37c, 32 x 1048576
@@ -257,7 +258,7 @@ def entmax15_split_threshold_kernel(
     done = _is_bad(row_max)
     held, held_d = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
                                     x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
-                                    y_stride_n, row_max, CHUNK, SPLITS, WIDTH, WIDE)
+                                    y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE)
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
@@ -314,6 +315,7 @@ class Entmax15SplitRows(SplitRows):
     chunk_bound = _entmax_chunk_bound
     bound_groups_by_rows = {False: ENTMAX_BOUND_GROUPS, True: ENTMAX_BOUND_GROUPS}
     threshold_kernel = entmax15_split_threshold_kernel
+    held_tile = max(THRESHOLD_TILE.values())  # as large as its tile (not measured smaller)
     outputs = _entmax_split_outputs
 
     @staticmethod

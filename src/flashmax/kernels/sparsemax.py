@@ -130,8 +130,13 @@ SPARSE_WRITE = 1024
 # SPARSE_WRITE candidates lost 3-14% on those (rand, randn x 0.01), and rows of 16384-entry
 # chunks (8 x 1048576 before v42, one program a SM) lost 7-13% whatever the cap.
 SPLIT_EARLY_ZEROS = {False: 0, True: 64}
-# The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk).
-THRESHOLD_TILE = 4096
+# The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk),
+# by n_rows >= SPLIT_MANY_ROWS, and keeps a row's candidates in registers across its steps
+# when a tile of HELD_TILE holds them (v42). H200 (NOTES v42b, v44): with a held tile as
+# large, 8192 or 16384 were slower on randn; with 4096 held, few rows' dense candidates
+# (uniform, randn x 0.01) are read 8192 at a time.
+THRESHOLD_TILE = {False: 8192, True: 4096}
+HELD_TILE = 4096
 # Bits of a stored candidate's index, per output dtype.
 INDEX_TYPE = {2: tl.int16, 4: tl.int32, 8: tl.int64}
 
@@ -813,9 +818,11 @@ def sparsemax_split_threshold_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
+    HELD_WIDTH: tl.constexpr,
 ):
     """Split pass 2, one program per row: the row's max and exact tau, by Newton from the best
-    chunk bound over the chunks' candidates (held in registers when one tile holds them)."""
+    chunk bound over the chunks' candidates (held in registers when a [SPLITS, HELD_WIDTH]
+    tile holds them)."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     row_max, tau = _split_row_start(PART, row, n_splits, SPLITS, compute, -1.0)
@@ -826,7 +833,7 @@ def sparsemax_split_threshold_kernel(
     done = _is_bad(row_max)
     held, z = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
                                x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
-                               y_stride_n, row_max, CHUNK, SPLITS, WIDTH, WIDE)
+                               y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE)
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
         if held:
@@ -1251,7 +1258,7 @@ class SplitRows:
     that many programs per multiprocessor, each walking chunks and prefetching the next;
     `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_MANY_ROWS),
     `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
-    `threshold_tile` its `default_threshold_tile(n_rows)`.
+    `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`).
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
@@ -1259,6 +1266,7 @@ class SplitRows:
     bound_groups_by_rows = SPLIT_BOUND_GROUPS
     early_zeros_by_rows = SPLIT_EARLY_ZEROS
     threshold_kernel = sparsemax_split_threshold_kernel
+    held_tile = HELD_TILE
     outputs = _outputs_within
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
@@ -1294,15 +1302,18 @@ class SplitRows:
         self.tile_entries = tile
         self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits, WIDTH=self._width(splits),
                              WIDE=wide, num_warps=max(1, min(16, tile // 1024)))
+        self.held_width = self._width(splits, tile=min(tile, self.held_tile))
 
     @staticmethod
     def default_threshold_tile(n_rows: int) -> int:
         """The op's default row-pass tile (`threshold_tile`) for n_rows rows."""
-        return THRESHOLD_TILE
+        return THRESHOLD_TILE[n_rows >= SPLIT_MANY_ROWS]
 
-    def _width(self, splits: int, points: int = 1) -> int:
-        """A row pass's candidates per chunk at a time: the tile holds points x splits x that."""
-        return max(1, min(self.tile_entries // (splits * points), self.chunk // 2))
+    def _width(self, splits: int, points: int = 1, tile=None) -> int:
+        """A row pass's candidates per chunk at a time: the tile (default the row pass's)
+        holds points x splits x that."""
+        tile = self.tile_entries if tile is None else tile
+        return max(1, min(tile // (splits * points), self.chunk // 2))
 
     def bounds(self):
         """Pass 1: PART (per chunk: max, bound, candidates), and the candidates stored in y."""
@@ -1316,7 +1327,7 @@ class SplitRows:
         state = self.part.new_empty((self.n_rows, STATE_SIZE.value))
         self.threshold_kernel[(self.n_rows,)](
             self.x, self.y, self.part, state, self.n_splits, self.n, self.inner, *self.strides,
-            **self.row_pass)
+            **self.row_pass, HELD_WIDTH=self.held_width)
         return state
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
@@ -1523,7 +1534,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     size (at most SPLIT_LAUNCH's), in three passes: the chunks' bounds and candidates, each
     row's tau from them, the outputs.
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
-    reading it again; `threshold_tile` (default THRESHOLD_TILE) is the row pass's tile.
+    reading it again; `threshold_tile` (default THRESHOLD_TILE's) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
     `bound_groups` and `early_zeros` (`SplitRows`), `row_threads` (`rows_launch`), `adjacent_values`
     (`adjacent_launch`'s values). The other keyword arguments override the launch heuristics
