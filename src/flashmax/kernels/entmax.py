@@ -242,10 +242,10 @@ def entmax15_split_threshold_kernel(
     in z = (x - max) / 2, by Newton from the best chunk bound over the chunks' candidates.
 
     When a [SPLITS, HELD_WIDTH] tile holds the row's candidates (`_held_candidates`), it
-    stays in registers across the steps. Else the stored candidates are read SPLITS chunks times WIDTH at a time;
-    a chunk that stored none (over half of it are candidates: supports of a large share of the
-    row, as nearly tied rows have) is read whole, in contiguous pieces of as many entries, and
-    only where a group of SPLITS chunks holds one. H200 (NOTES, v37-v37c, 32 x 1048576
+    stays in registers across the steps. Else the stored candidates are read SPLITS chunks
+    times WIDTH at a time; a chunk that stored none (over half of it are candidates: supports
+    of a large share of the row, as nearly tied rows have) is read whole, in contiguous
+    pieces of as many entries, and only where a group of SPLITS chunks holds one. H200 (NOTES, v37-v37c, 32 x 1048576
     randn x 0.01): read through the candidates' [SPLITS, WIDTH] tiles, 51.4 x clone; in
     pieces, 23.7."""
     row = tl.program_id(0)
