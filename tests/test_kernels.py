@@ -120,6 +120,40 @@ def test_split_row_pass_wider_than_its_held_tile(dist):
     assert_close_to_oracle(forward(x, chunk=128).cpu(), x.cpu(), -1, rtol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["sparsemax", "entmax15"])
+@pytest.mark.parametrize("dist", ["rand", "randn", "tiny", "offset", "ties", "masked"])
+def test_split_row_start_is_a_lower_bound(op, dist):
+    # The row pass starts from the larger of the chunks' best bound and the smallest of their
+    # share bounds (`_split_row_start`, with its margin): at or below the row's tau in x - max
+    # (fp64), else Newton would stop on part of the support. On rows whose chunks are alike
+    # (uniform values) the share bound is the larger.
+    from flashmax import reference_entmax
+    from flashmax.kernels import entmax as entmax_kernels
+
+    x = make(dist, ROWS, 4096, seed=26)
+    split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
+    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, None, 1, 128)
+    split = split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False)
+    split.bounds()
+    part = split.part.view(n_rows, split.n_splits, -1).double().cpu()
+    chunk_max = part[..., kernels.PART_MAX.value]
+    row_max = chunk_max.amax(-1, keepdim=True)
+    offset = torch.where(chunk_max > -torch.inf, chunk_max - row_max, -torch.inf)
+    floor = -1.0 if op == "sparsemax" else -2.0
+    bound = (offset + part[..., kernels.PART_BOUND.value]).clamp_min(floor).amax(-1)
+    share = (offset + part[..., kernels.PART_SHARE.value]).clamp_min(floor).amin(-1)
+    start = torch.maximum(bound, share * (1 + kernels.CANDIDATE_MARGIN.value))
+    z = x.double().cpu() - row_max
+    if op == "sparsemax":
+        tau = sum(reference.threshold(z))
+    else:
+        tau = 2 * sum(reference_entmax.entmax15_threshold(z / 2, torch.full((n_rows,), -1.0,
+                                                                             dtype=z.dtype)))
+    assert (start <= tau).all(), (start - tau)
+    if dist == "rand":
+        assert (share > bound).all(), (share - bound)
+
+
 @pytest.mark.parametrize("config", [{}, {"sparse_write": 1}, {"early_zeros": 32}],
                          ids=["sparse", "rereading", "early-zeros"])
 def test_chunks_without_candidates(config):
@@ -552,7 +586,8 @@ def test_scatter_assembly_builds_for_sm90(dtype, index, prefetch):
          f"CHUNK={chunk}", "GROUP=8", f"INDEX={index}", "WIDE=0", f"SCATTER_PTX={ptx}",
          f"SCATTER_CONSTRAINTS={constraints}", f"PREFETCH={prefetch}",
          f"BOUND_GROUPS={kernels.SPLIT_BOUND_GROUPS[True]}", "BOUND=_sparsemax_chunk_bound",
-         f"EARLY_ZEROS={kernels.SPLIT_EARLY_ZEROS[True]}"],
+         f"EARLY_ZEROS={kernels.SPLIT_EARLY_ZEROS[True]}",
+         f"SHARE_STEPS={kernels.SPLIT_SHARE_STEPS}"],
         capture_output=True, text=True, env=env, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "registers" in built.stdout, built.stdout

@@ -214,14 +214,23 @@ def entmax15_forward_kernel(
 
 
 @triton.jit
-def _entmax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr):
-    """`SplitRows`' pass-1 bound for entmax-1.5, from a chunk's group maxima less the chunk's
-    max (d = x - max, [1, 1, W]): twice a Newton iterate for their tau in z = d / 2, stopped
-    once at most BOUND_GROUPS of them lie above it, or exact with 0 (as sparsemax's); a lower
-    bound on the row's tau in d."""
+def _entmax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr, share, SHARE_STEPS: tl.constexpr):
+    """`SplitRows`' pass-1 bounds for entmax-1.5, from a chunk's group maxima less the chunk's
+    max (d = x - max, [1, 1, W]), in d: twice a Newton iterate for their tau in z = d / 2,
+    stopped once at most BOUND_GROUPS of them lie above it, or exact with 0 (as sparsemax's), a
+    lower bound on the row's tau; and twice SHARE_STEPS Newton steps on from there towards the
+    root of sum(max(z - t, 0)^2) = share, on its convex norm form."""
+    z = group_d * 0.5
     tau = tl.full([1], -1.0, group_d.dtype)
-    pivot, step, _, _ = _entmax_threshold(group_d * 0.5, tau, tl.zeros_like(tau), BOUND_GROUPS)
-    return 2.0 * (pivot + step)
+    pivot, step, _, _ = _entmax_threshold(z, tau, tl.zeros_like(tau), BOUND_GROUPS)
+    bound = pivot + step
+    share_bound = bound
+    for _ in tl.static_range(SHARE_STEPS):
+        d = tl.maximum(z - share_bound[:, None, None], 0.0)
+        s1 = tl.sum(tl.sum(d, 2), 1)
+        norm = tl.sqrt(tl.sum(tl.sum(d * d, 2), 1))
+        share_bound += tl.where(s1 > 0, (norm - tl.sqrt(share)) * norm / s1, 0.0)
+    return 2.0 * bound, 2.0 * share_bound
 
 
 @triton.jit
@@ -486,18 +495,21 @@ BACKWARD_LAUNCHES = LaunchCache(entmax15_backward_kernel)
 
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                      block_m=None, chunk=None, programs_per_sm=None, row_threads=None,
-                     threshold_tile=None, bound_groups=None, early_zeros=None) -> torch.Tensor:
+                     threshold_tile=None, bound_groups=None, early_zeros=None,
+                     share_steps=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks, in
     sparsemax's three passes (`Entmax15SplitRows`; `threshold_tile`, default THRESHOLD_TILE's,
-    as in `sparsemax_forward`, `bound_groups`, default ENTMAX_BOUND_GROUPS, and `early_zeros`).
+    as in `sparsemax_forward`, `bound_groups`, default ENTMAX_BOUND_GROUPS, `early_zeros` and
+    `share_steps`).
     `programs_per_sm` and `row_threads` as in `rows_launch`. The other keyword arguments
     override the launch heuristics (for benchmarks and tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and programs_per_sm is None and row_threads is None
-                and threshold_tile is None and bound_groups is None and early_zeros is None)
+                and threshold_tile is None and bound_groups is None and early_zeros is None
+                and share_steps is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -509,7 +521,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
         split = Entmax15SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide,
                                   group, num_warps, threshold_tile=threshold_tile,
                                   programs_per_sm=programs_per_sm, bound_groups=bound_groups,
-                                  early_zeros=early_zeros)
+                                  early_zeros=early_zeros, share_steps=share_steps)
         split.bounds()
         split.write(split.threshold())
         return y

@@ -87,8 +87,8 @@ PREFETCH_WARPS_PER_SM = 8
 # Rows longer than one program's registers are split over programs, one chunk each, that
 # communicate through a small scratch: per chunk PART_SIZE values, per row STATE_SIZE. Programs
 # are numbered row * n_splits + split.
-PART_SIZE = tl.constexpr(3)
-PART_MAX, PART_BOUND, PART_COUNT = (tl.constexpr(i) for i in range(3))
+PART_SIZE = tl.constexpr(4)
+PART_MAX, PART_BOUND, PART_COUNT, PART_SHARE = (tl.constexpr(i) for i in range(4))
 STATE_SIZE = tl.constexpr(4)
 STATE_MAX, STATE_PIVOT, STATE_STEP, STATE_ZERO_BELOW = (tl.constexpr(i) for i in range(4))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
@@ -117,6 +117,13 @@ SPLIT_BACKWARD_LAUNCH = (8192, 4)
 # (benchmarks/NOTES.md, v19): on randn, 32 beat exact bounds by 7% (512 x 131072, 32 x 1048576,
 # 8 x 1048576) but lost 10% on 1 x 4194304, where 8 won 1%.
 SPLIT_BOUND_GROUPS = {False: 8, True: 32}  # by n_rows >= SPLIT_MANY_ROWS
+# Pass 1's Newton steps on a chunk's group maxima towards its even share of the row
+# (`_chunk_bounds`' share bound), a better start for the row pass on rows whose chunks are
+# alike (nearly tied rows); 0: none.
+SPLIT_SHARE_STEPS = 3
+# The share asked of each of a row's C chunks is SHARE_SLACK / C: the slack covers the
+# roundings of the chunks' sums, so that all chunks together still hold the whole row's 1.
+SHARE_SLACK = tl.constexpr(1.125)
 # Programs per SM of split pass 1, each walking chunks and loading the next before working on
 # this one (NOTES v19: 1-4% faster than a program per chunk at every long-row shape measured).
 SPLIT_PROGRAMS_PER_SM = 2
@@ -620,13 +627,21 @@ def _scatter(pointers, bits, keep, PTX: tl.constexpr, CONSTRAINTS: tl.constexpr)
 
 
 @triton.jit
-def _sparsemax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr):
-    """A lower bound on the row's tau from a chunk's group maxima less the chunk's max
-    ([1, 1, W]): a Newton iterate for their tau, stopped once at most BOUND_GROUPS of them lie
-    above it (at most GROUP x BOUND_GROUPS candidates), or exact with 0."""
+def _sparsemax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr, share, SHARE_STEPS: tl.constexpr):
+    """Lower bounds from a chunk's group maxima less the chunk's max ([1, 1, W]): on the row's
+    tau, a Newton iterate for their tau, stopped once at most BOUND_GROUPS of them lie above it
+    (at most GROUP x BOUND_GROUPS candidates), or exact with 0; and on the root of
+    sum(max(d - t, 0)) = share, SHARE_STEPS Newton steps on from there (`_chunk_bounds`)."""
     pivot, step, _, _ = _newton_threshold(group_d, tl.full([1], -1.0, group_d.dtype),
                                           BOUND_GROUPS)
-    return pivot + step
+    bound = pivot + step
+    share_bound = bound
+    for _ in tl.static_range(SHARE_STEPS):
+        above = group_d > share_bound[:, None, None]
+        total = tl.sum(tl.sum(tl.where(above, group_d - share_bound[:, None, None], 0.0), 2), 1)
+        count = tl.sum(tl.sum(above.to(group_d.dtype), 2), 1)
+        share_bound += tl.where(count > 0, (total - share) / count, 0.0)
+    return bound, share_bound
 
 
 @triton.jit
@@ -635,19 +650,26 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
                   CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr,
                   WIDE: tl.constexpr, SCATTER_PTX: tl.constexpr,
                   SCATTER_CONSTRAINTS: tl.constexpr, BOUND_GROUPS: tl.constexpr,
-                  BOUND: tl.constexpr, EARLY_ZEROS: tl.constexpr):
+                  BOUND: tl.constexpr, EARLY_ZEROS: tl.constexpr, SHARE_STEPS: tl.constexpr):
     """Split pass 1's work on chunk pid, loaded as x_in: the chunk's max, a lower bound on the
     row's threshold relative to that max (BOUND: the op's, `_sparsemax_chunk_bound` or
     entmax-1.5's, from the chunk's group maxima), and its candidates: the entries above that
     bound, a superset of the chunk's part of the row's support. When they fill at most half
     the chunk, they are stored in the output's chunk (values, then their indices as INDEX
     bits), so that later passes need not read the chunk again; when they are at most
-    EARLY_ZEROS, every other output of the chunk is 0, written here."""
+    EARLY_ZEROS, every other output of the chunk is 0, written here.
+
+    BOUND also gives a share bound: a t at which the chunk's part of the op's sum (F_c(t),
+    sum(max(x - t, 0)) for sparsemax) is at least SHARE_SLACK / C of the 1 the row's C chunks
+    sum to at tau. As F = sum of F_c falls with t, the smallest share bound of a row's chunks
+    is a lower bound on its tau (`_split_row_start`): near tau on rows whose chunks are alike."""
     row = pid // n_splits
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
     group_max = _group_max(x)
     chunk_max = _row_max(group_max)
-    bound = BOUND(tl.expand_dims(group_max - chunk_max[:, None], 1), BOUND_GROUPS)
+    share = tl.minimum(SHARE_SLACK / n_splits, 1.0)
+    bound, share_bound = BOUND(tl.expand_dims(group_max - chunk_max[:, None], 1), BOUND_GROUPS,
+                               share, SHARE_STEPS)
     # A margin of a few ulps: the later passes compare in the row's coordinates, rounded
     # differently, and must never find a support entry that is not a candidate.
     keep = (x - chunk_max[:, None, None]) > (bound - tl.abs(bound) * CANDIDATE_MARGIN)[:, None, None]
@@ -678,6 +700,7 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
     tl.store(part + PART_MAX, tl.reshape(chunk_max, []))
     tl.store(part + PART_BOUND, tl.reshape(bound, []))
     tl.store(part + PART_COUNT, count.to(chunk_max.dtype))
+    tl.store(part + PART_SHARE, tl.reshape(share_bound, []))
 
 
 @triton.jit
@@ -688,6 +711,7 @@ def split_bounds_kernel(
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
     SCATTER_PTX: tl.constexpr, SCATTER_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr,
     BOUND_GROUPS: tl.constexpr, BOUND: tl.constexpr, EARLY_ZEROS: tl.constexpr,
+    SHARE_STEPS: tl.constexpr,
 ):
     """Split pass 1 (`_chunk_bounds`), one chunk per program; with PREFETCH program p does
     chunks p, p + programs, ... and loads the next one before working on this one, as
@@ -706,13 +730,13 @@ def split_bounds_kernel(
             x_next = tl.load(X + off, mask=mask, other=-float("inf"))
             _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner, y_stride_outer,
                           y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
-                          SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, EARLY_ZEROS)
+                          SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, EARLY_ZEROS, SHARE_STEPS)
             x_in = x_next
             pid = following
     else:
         _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner, y_stride_outer,
                       y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
-                      SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, EARLY_ZEROS)
+                      SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, EARLY_ZEROS, SHARE_STEPS)
 
 
 @triton.jit
@@ -792,7 +816,9 @@ def _held_sums(z, tau, centre):
 def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.constexpr,
                      FLOOR: tl.constexpr):
     """A split row's max [1] from its chunks' (PART), and their best bound on its threshold
-    relative to that max, at least FLOOR (the op's lowest threshold: -1 for sparsemax)."""
+    relative to that max, at least FLOOR (the op's lowest threshold: -1 for sparsemax): the
+    largest of their bounds, or the smallest of their share bounds (`_chunk_bounds`) if that
+    is larger."""
     row_max = tl.full([1], -float("inf"), compute)
     for first in range(0, n_splits, SPLITS):
         splits = first + tl.arange(0, SPLITS)
@@ -800,16 +826,22 @@ def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.cons
         chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
         row_max = _nan_max(row_max, tl.reduce(chunk_max, 0, _nan_max))
     bound = tl.full([1], FLOOR, compute)
+    shared = tl.full([1], 0.0, compute)
     for first in range(0, n_splits, SPLITS):
         splits = first + tl.arange(0, SPLITS)
+        valid = splits < n_splits
         part = PART + (row * n_splits + splits) * PART_SIZE
-        chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
-        # A chunk's bound in the row's coordinates; chunks with no finite entry bound nothing.
-        chunk_bound = (chunk_max - row_max) + tl.load(part + PART_BOUND, mask=splits < n_splits,
-                                                      other=0.0)
-        bound = tl.maximum(bound, tl.max(tl.where(chunk_max > -float("inf"), chunk_bound, FLOOR),
-                                         0))
-    return row_max, bound
+        chunk_max = tl.load(part + PART_MAX, mask=valid, other=-float("inf"))
+        # A chunk's bounds in the row's coordinates; chunks with no finite entry bound nothing,
+        # and hold no share (their share bound is FLOOR).
+        offset = tl.where(chunk_max > -float("inf"), chunk_max - row_max, -float("inf"))
+        chunk_bound = offset + tl.load(part + PART_BOUND, mask=valid, other=0.0)
+        bound = tl.maximum(bound, tl.max(tl.maximum(chunk_bound, FLOOR), 0))
+        share_bound = offset + tl.load(part + PART_SHARE, mask=valid, other=0.0)
+        shared = tl.minimum(shared, tl.min(tl.where(valid, tl.maximum(share_bound, FLOOR), 0.0),
+                                           0))
+    # A margin against the roundings of the shift to the row's coordinates.
+    return row_max, tl.maximum(bound, shared + shared * CANDIDATE_MARGIN)
 
 
 @triton.jit
@@ -1258,7 +1290,8 @@ class SplitRows:
     that many programs per multiprocessor, each walking chunks and prefetching the next;
     `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_MANY_ROWS),
     `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
-    `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`).
+    `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
+    `share_steps` SPLIT_SHARE_STEPS.
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
@@ -1271,7 +1304,7 @@ class SplitRows:
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
                  num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None,
-                 bound_groups=None, early_zeros=None):
+                 bound_groups=None, early_zeros=None, share_steps=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -1296,7 +1329,9 @@ class SplitRows:
                                    BOUND_GROUPS=self.bound_groups_by_rows[
                                        n_rows >= SPLIT_MANY_ROWS]
                                    if bound_groups is None else bound_groups,
-                                   BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros)
+                                   BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros,
+                                   SHARE_STEPS=SPLIT_SHARE_STEPS if share_steps is None
+                                   else share_steps)
         tile = self.default_threshold_tile(n_rows) if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.tile_entries = tile
@@ -1526,7 +1561,7 @@ def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
                       programs_per_sm=None, bound_groups=None, row_threads=None,
-                      adjacent_values=None, early_zeros=None) -> torch.Tensor:
+                      adjacent_values=None, early_zeros=None, share_steps=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -1536,14 +1571,14 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE's) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
-    `bound_groups` and `early_zeros` (`SplitRows`), `row_threads` (`rows_launch`), `adjacent_values`
+    `bound_groups`, `early_zeros` and `share_steps` (`SplitRows`), `row_threads` (`rows_launch`), `adjacent_values`
     (`adjacent_launch`'s values). The other keyword arguments override the launch heuristics
     (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
                 and programs_per_sm is None and bound_groups is None and row_threads is None
-                and adjacent_values is None and early_zeros is None)
+                and adjacent_values is None and early_zeros is None and share_steps is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -1554,7 +1589,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     if n > chunk:
         split = SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
                           num_warps, sparse_write, threshold_tile, programs_per_sm, bound_groups,
-                          early_zeros)
+                          early_zeros, share_steps)
         split.bounds()
         split.write(split.threshold())
         return y
