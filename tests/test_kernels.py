@@ -10,8 +10,8 @@ pytest.importorskip("triton")
 
 from flashmax import reference  # noqa: E402
 from flashmax.kernels import sparsemax as kernels  # noqa: E402
-from oracle import (ROW_JUST_ABOVE_TAU, ROWS_AT_TAU, assert_close_to_oracle, oracle,  # noqa: E402
-                    support_gradient)
+from oracle import (ROW_JUST_ABOVE_TAU, ROWS_AT_TAU, assert_close_to_oracle,  # noqa: E402
+                    entmax15_oracle, oracle, support_gradient)
 
 DEVICE = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu")
 ON_GPU = DEVICE == "cuda"
@@ -121,19 +121,25 @@ def test_split_row_pass_wider_than_its_held_tile(dist):
 
 
 @pytest.mark.parametrize("op", ["sparsemax", "entmax15"])
-@pytest.mark.parametrize("dist", ["rand", "randn", "tiny", "offset", "ties", "masked"])
-def test_split_row_start_is_a_lower_bound(op, dist):
+@pytest.mark.parametrize("dist", ["rand", "randn", "tiny", "offset", "ties", "masked",
+                                  "rand-masked-chunk"])
+@pytest.mark.parametrize("share_steps", [1, 3])
+def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
     # The row pass starts from the larger of the chunks' best bound and the smallest of their
     # share bounds (`_split_row_start`, with its margin): at or below the row's tau in x - max
     # (fp64), else Newton would stop on part of the support. On rows whose chunks are alike
-    # (uniform values) the share bound is the larger.
+    # (uniform values) 3 steps take the share bound above the best chunk bound (1 step, here
+    # with 32 chunks of 128, not always); a chunk of -inf alone holds no share.
     from flashmax import reference_entmax
     from flashmax.kernels import entmax as entmax_kernels
 
-    x = make(dist, ROWS, 4096, seed=26)
+    x = make(dist.split("-")[0], ROWS, 4096, seed=26)
+    if dist == "rand-masked-chunk":
+        x[:, 256:384] = -torch.inf
     split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
     y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, None, 1, 128)
-    split = split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False)
+    split = split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False,
+                       share_steps=share_steps)
     split.bounds()
     part = split.part.view(n_rows, split.n_splits, -1).double().cpu()
     chunk_max = part[..., kernels.PART_MAX.value]
@@ -150,8 +156,13 @@ def test_split_row_start_is_a_lower_bound(op, dist):
         tau = 2 * sum(reference_entmax.entmax15_threshold(z / 2, torch.full((n_rows,), -1.0,
                                                                              dtype=z.dtype)))
     assert (start <= tau).all(), (start - tau)
-    if dist == "rand":
+    if dist == "rand" and share_steps == 3:
         assert (share > bound).all(), (share - bound)
+    if dist == "rand-masked-chunk":
+        assert (share == floor).all(), share
+        split.write(split.threshold())
+        assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6,
+                               oracle_fn=oracle if op == "sparsemax" else entmax15_oracle)
 
 
 @pytest.mark.parametrize("config", [{}, {"sparse_write": 1}, {"early_zeros": 32}],
@@ -587,7 +598,7 @@ def test_scatter_assembly_builds_for_sm90(dtype, index, prefetch):
          f"SCATTER_CONSTRAINTS={constraints}", f"PREFETCH={prefetch}",
          f"BOUND_GROUPS={kernels.SPLIT_BOUND_GROUPS[True]}", "BOUND=_sparsemax_chunk_bound",
          f"EARLY_ZEROS={kernels.SPLIT_EARLY_ZEROS[True]}",
-         f"SHARE_STEPS={kernels.SPLIT_SHARE_STEPS}"],
+         f"SHARE_STEPS={kernels.SPLIT_SHARE_STEPS[False]}"],
         capture_output=True, text=True, env=env, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "registers" in built.stdout, built.stdout

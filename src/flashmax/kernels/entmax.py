@@ -60,6 +60,9 @@ THRESHOLD_TILE_ROWS = 256
 # v39): on randn rows 7-12% faster than exact from 8 x 1048576 to 512 x 131072, fp32 and
 # bf16; 512 is faster still at 512 rows but slower at 32; rand and randn x 0.01 unchanged.
 ENTMAX_BOUND_GROUPS = 128
+# Pass 1's Newton steps towards a chunk's share of the row (as sparsemax's SPLIT_SHARE_STEPS,
+# each a reduction over the group maxima), by n_rows >= SPLIT_MANY_ROWS.
+ENTMAX_SHARE_STEPS = {False: 3, True: 0}
 
 
 @triton.jit
@@ -323,6 +326,7 @@ class Entmax15SplitRows(SplitRows):
 
     chunk_bound = _entmax_chunk_bound
     bound_groups_by_rows = {False: ENTMAX_BOUND_GROUPS, True: ENTMAX_BOUND_GROUPS}
+    share_steps_by_rows = ENTMAX_SHARE_STEPS
     threshold_kernel = entmax15_split_threshold_kernel
     held_tile = max(THRESHOLD_TILE.values())  # as large as its tile (not measured smaller)
     outputs = _entmax_split_outputs

@@ -118,9 +118,10 @@ SPLIT_BACKWARD_LAUNCH = (8192, 4)
 # 8 x 1048576) but lost 10% on 1 x 4194304, where 8 won 1%.
 SPLIT_BOUND_GROUPS = {False: 8, True: 32}  # by n_rows >= SPLIT_MANY_ROWS
 # Pass 1's Newton steps on a chunk's group maxima towards its even share of the row
-# (`_chunk_bounds`' share bound), a better start for the row pass on rows whose chunks are
-# alike (nearly tied rows); 0: none.
-SPLIT_SHARE_STEPS = 3
+# (`_chunk_bounds`' share bound: a better start for the row pass on rows whose chunks are
+# alike, as nearly tied rows' are), by n_rows >= SPLIT_MANY_ROWS; 0: none. The first step
+# costs nothing (`_sparsemax_chunk_bound`), each other one a reduction over the group maxima.
+SPLIT_SHARE_STEPS = {False: 4, True: 1}
 # The share asked of each of a row's C chunks is SHARE_SLACK / C: the slack covers the
 # roundings of the chunks' sums, so that all chunks together still hold the whole row's 1.
 SHARE_SLACK = tl.constexpr(1.125)
@@ -631,16 +632,22 @@ def _sparsemax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr, share, SHARE_STE
     """Lower bounds from a chunk's group maxima less the chunk's max ([1, 1, W]): on the row's
     tau, a Newton iterate for their tau, stopped once at most BOUND_GROUPS of them lie above it
     (at most GROUP x BOUND_GROUPS candidates), or exact with 0; and on the root of
-    sum(max(d - t, 0)) = share, SHARE_STEPS Newton steps on from there (`_chunk_bounds`)."""
-    pivot, step, _, _ = _newton_threshold(group_d, tl.full([1], -1.0, group_d.dtype),
-                                          BOUND_GROUPS)
+    sum(max(d - t, 0)) = share <= 1, SHARE_STEPS Newton steps towards it (`_chunk_bounds`).
+    The first of these is free: from the last iterate `pivot`, whose sum of d - pivot is
+    1 + step x size, it lands (1 - share) / size above the bound."""
+    pivot, step, _, size = _newton_threshold(group_d, tl.full([1], -1.0, group_d.dtype),
+                                             BOUND_GROUPS)
     bound = pivot + step
     share_bound = bound
-    for _ in tl.static_range(SHARE_STEPS):
-        above = group_d > share_bound[:, None, None]
-        total = tl.sum(tl.sum(tl.where(above, group_d - share_bound[:, None, None], 0.0), 2), 1)
-        count = tl.sum(tl.sum(above.to(group_d.dtype), 2), 1)
-        share_bound += tl.where(count > 0, (total - share) / count, 0.0)
+    if SHARE_STEPS > 0:
+        share_bound += tl.where(size > 0, (1.0 - share) / size, 0.0)
+    if SHARE_STEPS > 1:
+        for _ in tl.static_range(SHARE_STEPS - 1):
+            above = group_d > share_bound[:, None, None]
+            total = tl.sum(tl.sum(tl.where(above, group_d - share_bound[:, None, None], 0.0),
+                                  2), 1)
+            count = tl.sum(tl.sum(above.to(group_d.dtype), 2), 1)
+            share_bound += tl.where(count > 0, (total - share) / count, 0.0)
     return bound, share_bound
 
 
@@ -832,14 +839,14 @@ def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.cons
         valid = splits < n_splits
         part = PART + (row * n_splits + splits) * PART_SIZE
         chunk_max = tl.load(part + PART_MAX, mask=valid, other=-float("inf"))
-        # A chunk's bounds in the row's coordinates; chunks with no finite entry bound nothing,
-        # and hold no share (their share bound is FLOOR).
-        offset = tl.where(chunk_max > -float("inf"), chunk_max - row_max, -float("inf"))
-        chunk_bound = offset + tl.load(part + PART_BOUND, mask=valid, other=0.0)
-        bound = tl.maximum(bound, tl.max(tl.maximum(chunk_bound, FLOOR), 0))
-        share_bound = offset + tl.load(part + PART_SHARE, mask=valid, other=0.0)
-        shared = tl.minimum(shared, tl.min(tl.where(valid, tl.maximum(share_bound, FLOOR), 0.0),
-                                           0))
+        # A chunk's bounds in the row's coordinates; chunks with no finite entry bound nothing
+        # and hold no share of the row (their bounds, NaN, count as FLOOR).
+        finite = chunk_max > -float("inf")
+        chunk_bound = (chunk_max - row_max) + tl.load(part + PART_BOUND, mask=valid, other=0.0)
+        bound = tl.maximum(bound, tl.max(tl.where(finite, chunk_bound, FLOOR), 0))
+        share_bound = (chunk_max - row_max) + tl.load(part + PART_SHARE, mask=valid, other=0.0)
+        share_bound = tl.where(finite, tl.maximum(share_bound, FLOOR), FLOOR)
+        shared = tl.minimum(shared, tl.min(tl.where(valid, share_bound, 0.0), 0))
     # A margin against the roundings of the shift to the row's coordinates.
     return row_max, tl.maximum(bound, shared + shared * CANDIDATE_MARGIN)
 
@@ -1291,13 +1298,14 @@ class SplitRows:
     `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_MANY_ROWS),
     `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
     `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
-    `share_steps` SPLIT_SHARE_STEPS.
+    `share_steps` its `share_steps_by_rows` (likewise).
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
     chunk_bound = _sparsemax_chunk_bound
     bound_groups_by_rows = SPLIT_BOUND_GROUPS
     early_zeros_by_rows = SPLIT_EARLY_ZEROS
+    share_steps_by_rows = SPLIT_SHARE_STEPS
     threshold_kernel = sparsemax_split_threshold_kernel
     held_tile = HELD_TILE
     outputs = _outputs_within
@@ -1330,8 +1338,9 @@ class SplitRows:
                                        n_rows >= SPLIT_MANY_ROWS]
                                    if bound_groups is None else bound_groups,
                                    BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros,
-                                   SHARE_STEPS=SPLIT_SHARE_STEPS if share_steps is None
-                                   else share_steps)
+                                   SHARE_STEPS=self.share_steps_by_rows[
+                                       n_rows >= SPLIT_MANY_ROWS]
+                                   if share_steps is None else share_steps)
         tile = self.default_threshold_tile(n_rows) if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.tile_entries = tile
