@@ -61,7 +61,10 @@ THRESHOLD_TILE_ROWS = 256
 # bf16; 512 is faster still at 512 rows but slower at 32; rand and randn x 0.01 unchanged.
 ENTMAX_BOUND_GROUPS = 128
 # Pass 1's Newton steps towards a chunk's share of the row (as sparsemax's SPLIT_SHARE_STEPS,
-# each a reduction over the group maxima), by n_rows >= SPLIT_MANY_ROWS.
+# each a reduction over the group maxima), by n_rows >= SPLIT_MANY_ROWS. H200 (NOTES v45):
+# below 8 rows 3 steps took uniform and randn x 0.01 rows 28-42% lower (1 x 4194304
+# randn x 0.01 5.25 -> 3.02 ms) for randn +5%; from 8 rows 1 step gained 9-26% on those
+# but cost randn 2-3% (bf16 8%), so none there.
 ENTMAX_SHARE_STEPS = {False: 3, True: 0}
 
 
