@@ -122,6 +122,7 @@ def main():
     parser.add_argument("kernel")
     parser.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or fp64")
     parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--maxnreg", type=int, help="registers a thread at most (ptxas)")
     parser.add_argument("--const", nargs="*", default=[], metavar="NAME=VALUE")
     parser.add_argument("--out", help="keep kernel.ttgir, kernel.ptx and kernel.sass here")
     parser.add_argument("--unaligned-rows", action="store_true",
@@ -136,7 +137,7 @@ def main():
                                              args.adjacent_rows)
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=args.warps))
+                              options=dict(num_warps=args.warps, maxnreg=args.maxnreg))
     out_dir = args.out or tempfile.mkdtemp(prefix="inspect_kernel.")
     os.makedirs(out_dir, exist_ok=True)
     ttgir = compiled.asm["ttgir"]

@@ -26,10 +26,11 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache
-from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, STATE_MAX, STATE_PIVOT,
-                        STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward, SplitRows,
-                        _add_add, _candidate_values, _chunk_extent, _compute_dtype, _entry_offsets,
-                        _group_max, _held_candidates, _is_bad, _load_raw_rows, _load_y_g,
+from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, SPLIT_MANY_ROWS, STATE_MAX,
+                        STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
+                        SplitRows, _add_add, _candidate_values, _chunk_extent, _compute_dtype,
+                        _entry_offsets, _group_max, _held_candidates, _is_bad, _load_raw_rows,
+                        _load_y_g,
                         _map_rows, _next_power_of_2, _row_partials, _rows, _split_gradient_chunk,
                         _split_row_start, _split_y_g_chunk, _store_partials, _store_rows, _strided,
                         _support_found, _tile_max, _tile_threshold, _wide, kept_launch,
@@ -61,11 +62,13 @@ THRESHOLD_TILE_ROWS = 256
 # bf16; 512 is faster still at 512 rows but slower at 32; rand and randn x 0.01 unchanged.
 ENTMAX_BOUND_GROUPS = 128
 # Pass 1's Newton steps towards a chunk's share of the row (as sparsemax's SPLIT_SHARE_STEPS,
-# each a reduction over the group maxima), by n_rows >= SPLIT_MANY_ROWS. H200 (NOTES v45):
-# below 8 rows 3 steps took uniform and randn x 0.01 rows 28-42% lower (1 x 4194304
-# randn x 0.01 5.25 -> 3.02 ms) for randn +5%; from 8 rows 1 step gained 9-26% on those
-# but cost randn 2-3% (bf16 8%), so none there.
-ENTMAX_SHARE_STEPS = {False: 3, True: 0}
+# each a reduction over the group maxima), by n_rows >= SPLIT_MANY_ROWS; from there none for
+# 2-byte entries (`Entmax15SplitRows.default_share_steps`). H200 (NOTES v45, v46): below 8
+# rows 3 steps took uniform and randn x 0.01 rows 28-42% lower (1 x 4194304 randn x 0.01
+# 5.25 -> 3.02 ms) for randn +5%; from 8 rows 1 step takes those 4-26% lower (32 x 1048576
+# randn x 0.01 1.60 -> 1.18 ms) for randn 0-2% in fp32 but 5-7% in bf16, whose chunks take
+# half the time to read.
+ENTMAX_SHARE_STEPS = {False: 3, True: 1}
 
 
 @triton.jit
@@ -233,8 +236,10 @@ def _entmax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr, share, SHARE_STEPS:
     share_bound = bound
     for _ in tl.static_range(SHARE_STEPS):
         d = tl.maximum(z - share_bound[:, None, None], 0.0)
-        s1 = tl.sum(tl.sum(d, 2), 1)
-        norm = tl.sqrt(tl.sum(tl.sum(d * d, 2), 1))
+        # One reduction of both sums (as sparsemax's share steps, v46).
+        s1, s2 = tl.reduce((d, d * d), 2, _add_add)
+        s1, s2 = tl.reduce((s1, s2), 1, _add_add)
+        norm = tl.sqrt(s2)
         share_bound += tl.where(s1 > 0, (norm - tl.sqrt(share)) * norm / s1, 0.0)
     return 2.0 * bound, 2.0 * share_bound
 
@@ -329,7 +334,6 @@ class Entmax15SplitRows(SplitRows):
 
     chunk_bound = _entmax_chunk_bound
     bound_groups_by_rows = {False: ENTMAX_BOUND_GROUPS, True: ENTMAX_BOUND_GROUPS}
-    share_steps_by_rows = ENTMAX_SHARE_STEPS
     threshold_kernel = entmax15_split_threshold_kernel
     held_tile = max(THRESHOLD_TILE.values())  # as large as its tile (not measured smaller)
     outputs = _entmax_split_outputs
@@ -337,6 +341,11 @@ class Entmax15SplitRows(SplitRows):
     @staticmethod
     def default_threshold_tile(n_rows: int) -> int:
         return THRESHOLD_TILE[n_rows >= THRESHOLD_TILE_ROWS]
+
+    @staticmethod
+    def default_share_steps(n_rows: int, element_size: int) -> int:
+        many = n_rows >= SPLIT_MANY_ROWS
+        return 0 if many and element_size == 2 else ENTMAX_SHARE_STEPS[many]
 
 
 @triton.jit

@@ -121,9 +121,9 @@ SPLIT_BOUND_GROUPS = {False: 8, True: 32}  # by n_rows >= SPLIT_MANY_ROWS
 # (`_chunk_bounds`' share bound: a better start for the row pass on rows whose chunks are
 # alike, as nearly tied rows' are), by n_rows >= SPLIT_MANY_ROWS; 0: none. The first step
 # costs nothing (`_sparsemax_chunk_bound`), each other one a reduction over the group maxima.
-# Measured on an H200 (NOTES v45): below 8 rows 4 steps took uniform and randn x 0.01 rows
-# 16-36% lower (1 x 4194304 rand 134 -> 100 µs) and randn 9% higher (28.7 -> 31.2 µs); from
-# 32 rows 3 reductions cost randn 8-24% and gained nothing.
+# Measured on an H200 (NOTES v45, v46): below 8 rows 4 steps took uniform and randn x 0.01 rows
+# 16-36% lower (1 x 4194304 rand 134 -> 100 µs) and randn 8% higher (28.9 -> 31.0 µs); from
+# 32 rows one more step costs randn 3% (bf16 10%) and gains 0-4%.
 SPLIT_SHARE_STEPS = {False: 4, True: 1}
 # The share asked of each of a row's C chunks is SHARE_SLACK / C: the slack covers the
 # roundings of the chunks' sums, so that all chunks together still hold the whole row's 1.
@@ -647,9 +647,11 @@ def _sparsemax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr, share, SHARE_STE
     if SHARE_STEPS > 1:
         for _ in tl.static_range(SHARE_STEPS - 1):
             above = group_d > share_bound[:, None, None]
-            total = tl.sum(tl.sum(tl.where(above, group_d - share_bound[:, None, None], 0.0),
-                                  2), 1)
-            count = tl.sum(tl.sum(above.to(group_d.dtype), 2), 1)
+            # One reduction of both sums: pass 1 is bound by its chain of barriers (v46).
+            total, count = tl.reduce(
+                (tl.where(above, group_d - share_bound[:, None, None], 0.0),
+                 above.to(group_d.dtype)), 2, _add_add)
+            total, count = tl.reduce((total, count), 1, _add_add)
             share_bound += tl.where(count > 0, (total - share) / count, 0.0)
     return bound, share_bound
 
@@ -1301,14 +1303,13 @@ class SplitRows:
     `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_MANY_ROWS),
     `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
     `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
-    `share_steps` its `share_steps_by_rows` (likewise).
+    `share_steps` its `default_share_steps(n_rows, element_size)`.
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
     chunk_bound = _sparsemax_chunk_bound
     bound_groups_by_rows = SPLIT_BOUND_GROUPS
     early_zeros_by_rows = SPLIT_EARLY_ZEROS
-    share_steps_by_rows = SPLIT_SHARE_STEPS
     threshold_kernel = sparsemax_split_threshold_kernel
     held_tile = HELD_TILE
     outputs = _outputs_within
@@ -1341,8 +1342,7 @@ class SplitRows:
                                        n_rows >= SPLIT_MANY_ROWS]
                                    if bound_groups is None else bound_groups,
                                    BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros,
-                                   SHARE_STEPS=self.share_steps_by_rows[
-                                       n_rows >= SPLIT_MANY_ROWS]
+                                   SHARE_STEPS=self.default_share_steps(n_rows, x.element_size())
                                    if share_steps is None else share_steps)
         tile = self.default_threshold_tile(n_rows) if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
@@ -1355,6 +1355,12 @@ class SplitRows:
     def default_threshold_tile(n_rows: int) -> int:
         """The op's default row-pass tile (`threshold_tile`) for n_rows rows."""
         return THRESHOLD_TILE[n_rows >= SPLIT_MANY_ROWS]
+
+    @staticmethod
+    def default_share_steps(n_rows: int, element_size: int) -> int:
+        """The op's default pass-1 share steps (`share_steps`) for n_rows rows of that many
+        bytes an entry."""
+        return SPLIT_SHARE_STEPS[n_rows >= SPLIT_MANY_ROWS]
 
     def _width(self, splits: int, points: int = 1, tile=None) -> int:
         """A row pass's candidates per chunk at a time: the tile (default the row pass's)
