@@ -122,8 +122,9 @@ SPLIT_BOUND_GROUPS = {False: 8, True: 32}  # by n_rows >= SPLIT_MANY_ROWS
 # alike, as nearly tied rows' are), by n_rows >= SPLIT_MANY_ROWS; 0: none. The first step
 # costs nothing (`_sparsemax_chunk_bound`), each other one a reduction over the group maxima.
 # Measured on an H200 (NOTES v45, v46): below 8 rows 4 steps took uniform and randn x 0.01 rows
-# 16-36% lower (1 x 4194304 rand 134 -> 100 µs) and randn 8% higher (28.9 -> 31.0 µs); from
-# 32 rows one more step costs randn 3% (bf16 10%) and gains 0-4%.
+# 16-36% lower (1 x 4194304 rand 134 -> 100 µs) and randn 9% higher (28.7 -> 31.2 µs; 31.0
+# with v46's fused sums); from 32 rows one more step costs randn 3% (bf16 10%) and gains at
+# most 4%.
 SPLIT_SHARE_STEPS = {False: 4, True: 1}
 # The share asked of each of a row's C chunks is SHARE_SLACK / C: the slack covers the
 # roundings of the chunks' sums, so that all chunks together still hold the whole row's 1.
