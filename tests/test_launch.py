@@ -7,21 +7,48 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.compiler import CompiledKernel  # noqa: E402
 
 from flashmax.kernels import launch  # noqa: E402
 
 
 class FakeCompiled(CompiledKernel):
-    """A compiled kernel whose launcher records its calls (no GPU, no constructor)."""
+    """A compiled kernel whose launcher and runner record their calls (no GPU, no
+    constructor)."""
+
+    function, packed_metadata = "function", "metadata"
+    module = None  # nothing loaded (CompiledKernel.__del__ looks)
 
     def __init__(self, calls):  # not CompiledKernel's, which needs a compilation
         self.calls = calls
 
+    @property
+    def run(self):  # CompiledKernel's launcher (a property there too)
+        return lambda *args: self.calls.append(("replay", args[:3], args[3:]))
+
     def __getitem__(self, grid):
-        def run(*args):
-            self.calls.append(("replay", grid, args))
-        return run
+        def runner(*args):
+            self.calls.append(("runner", grid, args))
+        return runner
+
+
+class FakeDriver:
+    """What `direct_launch` asks of Triton's active driver."""
+
+    @staticmethod
+    def get_current_device():
+        return 3
+
+    @staticmethod
+    def get_current_stream(device):
+        return f"stream of {device}"
+
+
+@pytest.fixture(autouse=True)
+def fake_driver(monkeypatch):
+    monkeypatch.setattr(triton.runtime.driver, "_active", FakeDriver())
 
 
 class FakeKernel:
@@ -52,7 +79,26 @@ def test_a_kept_launch_is_replayed_with_every_parameter_in_order():
     (_, grid, args, options), (kind, grid3, replayed) = kernel.calls
     assert options == dict(BLOCK=8, FLAG=True, num_warps=2) and grid == (7,)
     assert kind == "replay" and grid3 == (7, 1, 1)
-    assert replayed[0] is x2 and replayed[1] is y2 and replayed[2:] == (5, 1, 8, True)
+    # The stream of the device the kernel was loaded on, the kernel, no launch hooks.
+    assert replayed[:6] == ("stream of 3", "function", "metadata", None, None, None)
+    kernel_args = replayed[6:]
+    assert kernel_args[0] is x2 and kernel_args[1] is y2 and kernel_args[2:] == (5, 1, 8, True)
+
+
+def test_with_a_launch_hook_set_the_runner_launches(monkeypatch):
+    hook = triton.knobs.HookChain() if hasattr(triton.knobs, "HookChain") else None
+    if hook is None:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    else:
+        hook.add(lambda metadata: None)
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    kernel = FakeKernel()
+    cache = launch.LaunchCache(kernel)
+    x, y = torch.randn(2, 2), torch.empty(2, 2)
+    cache.launch("k", (2,), (x, y), (2, 1), dict(BLOCK=2, FLAG=False))
+    assert cache.replay("k", x, y)
+    kind, grid3, args = kernel.calls[-1]
+    assert kind == "runner" and grid3 == (2, 1, 1) and args[0] is x and args[2:] == (2, 1, 2, False)
 
 
 def test_nothing_is_kept_without_a_key_or_a_compiled_kernel():
@@ -91,8 +137,45 @@ def test_kept_launch_replays_only_with_the_launchers_defaults():
     cache.launch(key, (3,), (x, out), (5, 1), dict(BLOCK=8, FLAG=False))
     again, same_key, replayed = kept_launch(cache, True, 1, None, x)
     assert replayed and same_key == key and again is not out
-    replayed_args = cache.kernel.calls[-1][2]
+    replayed_args = cache.kernel.calls[-1][2][6:]  # after the stream, kernel and hooks
     assert replayed_args[0] is x and replayed_args[1] is again  # into the new output
     mine = torch.empty(3, 5)
     out, key, replayed = kept_launch(cache, False, 1, mine, x)
     assert out is mine and key is None and not replayed
+
+
+class DeviceTensor:
+    """A stand-in for a tensor on CUDA device `index` (-1: the CPU)."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def get_device(self):
+        return self.index
+
+
+def test_launchers_run_on_their_tensors_device(monkeypatch):
+    entered = []
+
+    class Device:  # torch.cuda.device, recording the device made current
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    seen = []
+
+    @launch.on_tensor_device
+    def launcher(x, scale, *, out=None):
+        seen.append((x.index, scale, out, list(entered)))
+        return scale
+
+    assert launcher(DeviceTensor(1), 2, out="o") == 2
+    assert launcher(DeviceTensor(0), 3) == 3 and launcher(DeviceTensor(-1), 4) == 4
+    assert seen == [(1, 2, "o", [1]), (0, 3, None, [1, "exit"]), (-1, 4, None, [1, "exit"])]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchCache
+from .launch import LaunchCache, on_tensor_device
 from ..reference import ZERO_BELOW
 from .sparsemax import (PART_SIZE, STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP,
                         STATE_ZERO_BELOW, SplitBackward, SplitRows, _rows, _wide)
@@ -164,6 +164,7 @@ class TritonShard:
         return self.y
 
 
+@on_tensor_device
 def support_sums(y: torch.Tensor, grad: torch.Tensor, dim: int, chunk=None) -> torch.Tensor:
     """[2, rows] float64: sum of grad and count over the support y > 0 of each row."""
     if not y.numel():
@@ -174,6 +175,7 @@ def support_sums(y: torch.Tensor, grad: torch.Tensor, dim: int, chunk=None) -> t
     return part[..., :2].double().sum(1).T.contiguous()
 
 
+@on_tensor_device
 def backward_write(y: torch.Tensor, grad: torch.Tensor, mean: torch.Tensor, dim: int,
                    chunk=None) -> torch.Tensor:
     """dx = s * (g - mean) with each row's mean over the whole row's support."""

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchCache
+from .launch import LaunchCache, on_tensor_device
 from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, SPLIT_MANY_ROWS, STATE_MAX,
                         STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
                         SplitRows, _add_add, _candidate_values, _chunk_extent, _compute_dtype,
@@ -509,6 +509,7 @@ FORWARD_LAUNCHES = LaunchCache(entmax15_forward_kernel)
 BACKWARD_LAUNCHES = LaunchCache(entmax15_backward_kernel)
 
 
+@on_tensor_device
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                      block_m=None, chunk=None, programs_per_sm=None, row_threads=None,
                      threshold_tile=None, bound_groups=None, early_zeros=None,
@@ -547,6 +548,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     return y
 
 
+@on_tensor_device
 def entmax15_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
                       block_m=None, chunk=None) -> torch.Tensor:
     """Launch the backward kernel into `out`, as `entmax15_forward` does."""
@@ -568,6 +570,7 @@ def loss_fits(n: int, dtype: torch.dtype, chunk=None) -> bool:
     return 0 < n <= (max_block_n(dtype) if chunk is None else chunk)
 
 
+@on_tensor_device
 def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: bool,
          grad_loss=None, out=None, group=None, num_warps=None, block_m=None,
          row_threads=None) -> torch.Tensor:

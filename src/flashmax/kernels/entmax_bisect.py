@@ -19,6 +19,7 @@ for the max, one per step, one that writes.
 import triton
 import triton.language as tl
 
+from .launch import on_tensor_device
 from .sparsemax import (_add_add, _is_bad, _load_rows, _load_y_g, _nan_max, _row_offsets, _rows,
                         _store_rows, _strided, _tile_max, _wide, group_size, launch_config,
                         row_align, rows_view)
@@ -333,6 +334,7 @@ def _alpha_strides(alpha, dim: int):
     return alpha, (stride_outer, stride_inner)
 
 
+@on_tensor_device
 def entmax_bisect_forward(x, alpha, dim: int, n_iter: int, ensure_sum_one: bool, out=None,
                           num_warps=None, block_m=None, chunk=None, group=None):
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape/dtype).
@@ -361,6 +363,7 @@ def entmax_bisect_forward(x, alpha, dim: int, n_iter: int, ensure_sum_one: bool,
     return y
 
 
+@on_tensor_device
 def entmax_bisect_backward(y, grad, alpha, dim: int, out=None, num_warps=None, block_m=None,
                            chunk=None):
     """Launch the backward kernel: (dx of y's shape and dtype, dα of alpha's shape and dtype)."""

@@ -8,9 +8,16 @@ scalar arguments, and `replay` launches it on new tensors directly. The key is t
 promise that everything the launch was derived from is in it: `tensor_key` covers the shapes,
 strides, dtypes, 16-byte alignment (which Triton specialises on) and device of the tensors.
 Under TRITON_INTERPRET=1 a launch returns no compiled kernel, so nothing is kept.
+
+Triton launches on the current CUDA device; `on_tensor_device` makes a launcher's first
+tensor's device the current one while it runs, as PyTorch's own ops do.
 """
 
+import functools
+
+import torch
 import triton
+from triton import knobs
 from triton.compiler import CompiledKernel
 
 MAX_PLANS = 4096  # distinct keys kept per kernel; then the cache starts over
@@ -21,6 +28,47 @@ def tensor_key(*tensors) -> tuple:
     caller's own arguments."""
     return (tensors[0].get_device(),
             *((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
+
+
+def on_tensor_device(launcher):
+    """launcher(x, ...) run with x's CUDA device current (Triton launches there: a tensor of
+    another device would fail, "Pointer argument cannot be accessed from Triton")."""
+
+    @functools.wraps(launcher)
+    def on_device(x, *args, **kwargs):
+        index = x.get_device()
+        if index < 0 or index == torch.cuda.current_device():
+            return launcher(x, *args, **kwargs)
+        with torch.cuda.device(index):
+            return launcher(x, *args, **kwargs)
+
+    return on_device
+
+
+def _hooked() -> bool:
+    """Whether a launch hook (a profiler's, e.g. proton) is set: HookChains (triton >= 3.5)
+    with calls, or a hook function (earlier releases)."""
+    hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
+
+
+def direct_launch(compiled: CompiledKernel, grid: tuple):
+    """compiled[grid] (Triton's runner) as a function of the kernel's arguments, with what the
+    runner looks up on every launch looked up once: the launcher, the kernel's handle and
+    metadata, the current stream's getter and the device (the current one, on which the
+    kernel was loaded). While a launch hook is set the runner launches, with its metadata."""
+    runner = compiled[grid]  # loads the kernel on the current device
+    launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    driver = triton.runtime.driver.active
+    device, current_stream = driver.get_current_device(), driver.get_current_stream
+
+    def launch(*args):
+        if _hooked():
+            runner(*args)
+        else:
+            launcher(*grid, current_stream(device), function, metadata, None, None, None, *args)
+
+    return launch
 
 
 class LaunchCache:
@@ -41,8 +89,7 @@ class LaunchCache:
         # The compiled launcher takes every parameter in order, constexprs included.
         named = self.kernel.arg_names[len(tensors) + len(scalars):]
         constexprs = tuple(options[name] for name in named)
-        grid3 = (*grid, 1, 1)[:3]
-        self.plans[key] = (compiled[grid3], (*scalars, *constexprs))
+        self.plans[key] = (direct_launch(compiled, (*grid, 1, 1)[:3]), (*scalars, *constexprs))
 
     def run(self, grid, tensors, scalars, options) -> None:
         """kernel[grid](*tensors, *scalars, **options), replaying the plan kept for the same
