@@ -69,26 +69,26 @@ def main():
     xd = x.detach()
     y = kernels.sparsemax_forward(xd, 1)  # keeps the forward's plan
     key = (1, *tensor_key(xd))
-    kept, scalars = kernels.FORWARD_LAUNCHES.plans[key]  # a `direct_launch`
-    args = (xd, y, *scalars)
+    kept = kernels.FORWARD_LAUNCHES.plans[key]  # a `direct_launch`
     kept_vars = dict(zip(kept.__code__.co_freevars,
                          (cell.cell_contents for cell in kept.__closure__)))
-    runner, launcher, grid = kept_vars["runner"], kept_vars["launcher"], kept_vars["grid"]
+    runner, grid, scalars = kept_vars["runner"], kept_vars["grid"], kept_vars["scalars"]
     compiled = next(cell.cell_contents for cell in runner.__closure__  # CompiledKernel[grid]'s
                     if isinstance(cell.cell_contents, triton.compiler.CompiledKernel))
+    launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    args, pointers = (xd, y, *scalars), (xd.data_ptr(), y.data_ptr(), *scalars)
     device = xd.get_device()
 
     def stream():
         return torch._C._cuda_getCurrentRawStream(device)
 
-    def launcher_call():
-        launcher(*grid, stream(), compiled.function, compiled.packed_metadata, None, None, None,
-                 *args)
+    def launcher_call(tensors):
+        return lambda: launcher(*grid, stream(), function, metadata, None, None, None, *tensors)
 
-    def c_launch():
-        launcher.launch(*grid, stream(), compiled.function, launcher.launch_cooperative_grid,
-                        launcher.launch_pdl, None, None, compiled.packed_metadata, None, None,
-                        None, *args)
+    def c_launch(tensors):  # the C function's arguments as Triton 3.6 orders them
+        return lambda: launcher.launch(*grid, stream(), function, launcher.launch_cooperative_grid,
+                                       launcher.launch_pdl, None, None, metadata, None, None,
+                                       None, *tensors)
 
     def step(op):
         def run():
@@ -107,11 +107,17 @@ def main():
         "raw stream": stream,
         "check_input + is_compiling": lambda: (check_input(xd, -1),
                                                torch.compiler.is_compiling()),
+        "torch.cuda.current_device()": torch.cuda.current_device,
+        "torch._C._cuda_getDevice()": torch._C._cuda_getDevice,
+        "x.data_ptr() twice": lambda: (xd.data_ptr(), y.data_ptr()),
         "CompiledKernel[grid] runner": lambda: runner(*args),
-        "CompiledKernel[grid] runner, stream given": lambda: runner(*args, stream=stream()),
-        "launcher, no hooks": launcher_call,
-        "kept launch (direct_launch)": lambda: kept(*args),
-        "C launch": c_launch,
+        "launcher": launcher_call(args),
+        "launcher, pointers as ints": launcher_call(pointers),
+        "C launch (triton 3.6)": c_launch(args),
+        "C launch (triton 3.6), pointers as ints": c_launch(pointers),
+        "kept launch (direct_launch)": lambda: kept((xd, y)),
+        "kept_launch (output, key, launch)": lambda: kernels.kept_launch(
+            kernels.FORWARD_LAUNCHES, True, 1, None, xd),
         "kernels.sparsemax_forward": lambda: kernels.sparsemax_forward(xd, 1),
         "kernels.sparsemax_backward": lambda: kernels.sparsemax_backward(y, xd, 1),
         "flashmax.sparsemax (no grad)": lambda: flashmax.sparsemax(xd),
@@ -146,21 +152,28 @@ def main():
 
     measure(single)
     measure(end_to_end, loop=True)
-    # This commit's kept launches (direct_launch, an empty_like output) against the ones before
-    # it (Triton's runner, torch.empty), alternated ROUNDS times: the host's speed drifts.
-    def old_kept_launch(launches, defaults, dim, out, *tensors):
-        if not defaults:
-            return out, None, False
-        key = (dim, *tensor_key(*tensors))
-        out = torch.empty(tensors[0].shape, dtype=tensors[0].dtype, device=tensors[0].device)
-        return out, key, launches.replay(key, *tensors, out)
+    # This commit's kept launches (the C function where known, pointers as integers, the
+    # device checked without torch.cuda's lazy-initialisation check) against f48e1a2's (Triton's
+    # launcher given the tensors), alternated ROUNDS times: the host's speed drifts.
+    def previous_direct_launch(compiled, grid, scalars):
+        runner = compiled[grid]
+        launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+        driver = triton.runtime.driver.active
+        device, current_stream = driver.get_current_device(), driver.get_current_stream
 
-    new = launch.direct_launch, kernels.kept_launch
-    old = (lambda compiled, grid: compiled[grid]), old_kept_launch
+        def launch_on(tensors):
+            if launch._hooked():
+                runner(*tensors, *scalars)
+            else:
+                launcher(*grid, current_stream(device), function, metadata, None, None, None,
+                         *tensors, *scalars)
+        return launch_on
+
+    new = launch.direct_launch
+    old = previous_direct_launch
     for round_ in range(ROUNDS):
-        for suffix, (make, kept_launch) in ((f", before {round_}", old), (f", now {round_}", new)):
+        for suffix, make in ((f", before {round_}", old), (f", now {round_}", new)):
             launch.direct_launch = make
-            kernels.kept_launch = entmax_kernels.kept_launch = kept_launch
             for cache in (kernels.FORWARD_LAUNCHES, kernels.BACKWARD_LAUNCHES,
                           entmax_kernels.FORWARD_LAUNCHES, entmax_kernels.BACKWARD_LAUNCHES):
                 cache.plans.clear()

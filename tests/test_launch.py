@@ -14,6 +14,22 @@ from triton.compiler import CompiledKernel  # noqa: E402
 from flashmax.kernels import launch  # noqa: E402
 
 
+class FakeLauncher:
+    """A CUDA launcher (CompiledKernel.run) recording its calls and its C function's."""
+
+    launch_cooperative_grid, launch_pdl = "cooperative", "pdl"
+
+    def __init__(self, calls, scratch):
+        self.calls = calls
+        self.global_scratch_size = self.profile_scratch_size = scratch
+
+    def __call__(self, *args):
+        self.calls.append(("replay", args[:3], args[3:]))
+
+    def launch(self, *args):
+        self.calls.append(("C launch", args[:3], args[3:]))
+
+
 class FakeCompiled(CompiledKernel):
     """A compiled kernel whose launcher and runner record their calls (no GPU, no
     constructor)."""
@@ -21,12 +37,13 @@ class FakeCompiled(CompiledKernel):
     function, packed_metadata = "function", "metadata"
     module = None  # nothing loaded (CompiledKernel.__del__ looks)
 
-    def __init__(self, calls):  # not CompiledKernel's, which needs a compilation
+    def __init__(self, calls, scratch=0):
         self.calls = calls
+        self.scratch = scratch
 
     @property
     def run(self):  # CompiledKernel's launcher (a property there too)
-        return lambda *args: self.calls.append(("replay", args[:3], args[3:]))
+        return FakeLauncher(self.calls, self.scratch)
 
     def __getitem__(self, grid):
         def runner(*args):
@@ -56,18 +73,34 @@ class FakeKernel:
 
     arg_names = ["X", "Y", "n", "stride", "BLOCK", "FLAG"]
 
-    def __init__(self, compiled=True):
+    def __init__(self, compiled=True, scratch=0):
         self.calls = []
         self.compiled = compiled
+        self.scratch = scratch
 
     def __getitem__(self, grid):
         def launch_(*args, **options):
             self.calls.append(("jit", grid, args, options))
-            return FakeCompiled(self.calls) if self.compiled else None
+            return FakeCompiled(self.calls, self.scratch) if self.compiled else None
         return launch_
 
 
-def test_a_kept_launch_is_replayed_with_every_parameter_in_order():
+@pytest.fixture(params=["launcher", "C launch"])
+def release(request, monkeypatch):
+    """Triton's launcher (any release), or its C function (C_LAUNCH_RELEASES)."""
+    releases = (triton.__version__,) if request.param == "C launch" else ("no release",)
+    monkeypatch.setattr(launch, "C_LAUNCH_RELEASES", releases)
+    return request.param
+
+
+# What the launch takes between the kernel's handle and the kernel's arguments: the packed
+# metadata and no launch metadata or hooks, after the C function's cooperative-grid, PDL and
+# (no) scratch arguments.
+LAUNCH_OPTIONS = {"launcher": ("metadata", None, None, None),
+                  "C launch": ("cooperative", "pdl", None, None, "metadata", None, None, None)}
+
+
+def test_a_kept_launch_is_replayed_with_every_parameter_in_order(release):
     kernel = FakeKernel()
     cache = launch.LaunchCache(kernel)
     x, y = torch.randn(3, 5), torch.empty(3, 5)
@@ -78,11 +111,22 @@ def test_a_kept_launch_is_replayed_with_every_parameter_in_order():
     assert cache.replay(key, x2, y2)
     (_, grid, args, options), (kind, grid3, replayed) = kernel.calls
     assert options == dict(BLOCK=8, FLAG=True, num_warps=2) and grid == (7,)
-    assert kind == "replay" and grid3 == (7, 1, 1)
+    assert kind == ("replay" if release == "launcher" else release) and grid3 == (7, 1, 1)
     # The stream of the device the kernel was loaded on, the kernel, no launch hooks.
-    assert replayed[:6] == ("stream of 3", "function", "metadata", None, None, None)
-    kernel_args = replayed[6:]
-    assert kernel_args[0] is x2 and kernel_args[1] is y2 and kernel_args[2:] == (5, 1, 8, True)
+    options = LAUNCH_OPTIONS[release]
+    assert replayed[:2 + len(options)] == ("stream of 3", "function", *options)
+    # Tensors as their pointers, then the scalars and constexprs.
+    assert replayed[2 + len(options):] == (x2.data_ptr(), y2.data_ptr(), 5, 1, 8, True)
+
+
+def test_a_kernel_with_scratch_memory_launches_through_the_launcher(release):
+    kernel = FakeKernel(scratch=16)  # the launcher allocates it
+    cache = launch.LaunchCache(kernel)
+    x, y = torch.randn(2, 2), torch.empty(2, 2)
+    cache.launch("k", (2,), (x, y), (2, 1), dict(BLOCK=2, FLAG=False))
+    assert cache.replay("k", x, y)
+    kind, _, replayed = kernel.calls[-1]
+    assert kind == "replay" and replayed[2:6] == LAUNCH_OPTIONS["launcher"]
 
 
 def test_with_a_launch_hook_set_the_runner_launches(monkeypatch):
@@ -127,7 +171,7 @@ def test_the_cache_starts_over_when_full(monkeypatch):
     assert list(cache.plans) == [2]
 
 
-def test_kept_launch_replays_only_with_the_launchers_defaults():
+def test_kept_launch_replays_only_with_the_launchers_defaults(release):
     from flashmax.kernels.sparsemax import kept_launch
 
     cache = launch.LaunchCache(FakeKernel())
@@ -137,8 +181,8 @@ def test_kept_launch_replays_only_with_the_launchers_defaults():
     cache.launch(key, (3,), (x, out), (5, 1), dict(BLOCK=8, FLAG=False))
     again, same_key, replayed = kept_launch(cache, True, 1, None, x)
     assert replayed and same_key == key and again is not out
-    replayed_args = cache.kernel.calls[-1][2][6:]  # after the stream, kernel and hooks
-    assert replayed_args[0] is x and replayed_args[1] is again  # into the new output
+    replayed_args = cache.kernel.calls[-1][2][2 + len(LAUNCH_OPTIONS[release]):]
+    assert replayed_args[:2] == (x.data_ptr(), again.data_ptr())  # into the new output
     mine = torch.empty(3, 5)
     out, key, replayed = kept_launch(cache, False, 1, mine, x)
     assert out is mine and key is None and not replayed
@@ -167,7 +211,7 @@ def test_launchers_run_on_their_tensors_device(monkeypatch):
         def __exit__(self, *exc):
             entered.append("exit")
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch.cuda, "device", Device)
     seen = []
 
