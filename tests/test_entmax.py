@@ -483,11 +483,16 @@ def test_public_op_uses_kernels_and_eager_path_matches_op(kernels):
     g = torch.randn_like(x)
     y_fast, y_op = entmax15(x), torch.ops.flashmax.entmax15(x, 1)
     assert torch.equal(y_fast, y_op) and torch.equal(y_fast, kernel_forward(kernels, x.detach()))
+    assert type(y_fast.grad_fn).__name__ == "_EagerEntmax15Backward"
     (dx_fast,) = torch.autograd.grad(y_fast, x, g)
     (dx_op,) = torch.autograd.grad(y_op, x, g)
     assert torch.equal(dx_fast, dx_op)
     xd = make_input((3, 20), -1, torch.float64, seed=18).to(DEVICE).requires_grad_()
     assert torch.autograd.gradgradcheck(lambda t: entmax15(t, 1), (xd,))
+    # Without a graph to record (no grad wanted, or grad mode off) the launcher runs alone.
+    for y_bare in (entmax15(x.detach()), torch.no_grad()(entmax15)(x)):
+        assert y_bare.grad_fn is None and not y_bare.requires_grad
+        assert torch.equal(y_bare, y_op)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")

@@ -549,12 +549,16 @@ def test_eager_path_matches_custom_op():
     g = torch.randn_like(x)
     y_fast = flashmax.sparsemax(x, 1)
     y_op = torch.ops.flashmax.sparsemax(x, 1)
-    assert torch.equal(y_fast, y_op)
+    assert torch.equal(y_fast, y_op) and type(y_fast.grad_fn).__name__ == "_EagerSparsemaxBackward"
     (dx_fast,) = torch.autograd.grad(y_fast, x, g)
     (dx_op,) = torch.autograd.grad(y_op, x, g)
     assert torch.equal(dx_fast, dx_op)
     xd = make("randn", 3, 20, torch.float64, seed=17).requires_grad_()
     assert torch.autograd.gradgradcheck(lambda t: flashmax.sparsemax(t, 1), (xd,))
+    # Without a graph to record (no grad wanted, or grad mode off) the launcher runs alone.
+    for y_bare in (flashmax.sparsemax(x.detach(), 1), torch.no_grad()(flashmax.sparsemax)(x, 1)):
+        assert y_bare.grad_fn is None and not y_bare.requires_grad
+        assert torch.equal(y_bare, y_op)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")

@@ -106,7 +106,9 @@ def entmax15(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Ten
     if x.dim() == 0:
         return _entmax15_op(x.reshape(1), 0).reshape(())
     if uses_kernels(x) and not torch.compiler.is_compiling():
-        return _EagerEntmax15.apply(x, dim)
+        if x.requires_grad and torch.is_grad_enabled():
+            return _EagerEntmax15.apply(x, dim)
+        return kernels.entmax15_forward(x, dim)  # nothing to record: the launch alone
     return _entmax15_op(x, dim)
 
 

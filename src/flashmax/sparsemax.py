@@ -6,8 +6,9 @@ Results are always contiguous tensors of the input's shape, so fake and real lay
 
 Eager calls on CUDA skip the custom-op dispatcher, whose Python layers cost about as much host
 time as a small kernel takes on the GPU, through `_EagerSparsemax`, a thin autograd.Function
-over the same kernels (bit-identical results; `eager_function`); torch.compile always sees the
-custom op.
+over the same kernels (bit-identical results; `eager_function`), or the forward launcher alone
+when autograd has nothing to record (Function.apply costs ~5 µs of host time); torch.compile
+always sees the custom op.
 """
 
 import torch
@@ -156,7 +157,9 @@ def sparsemax(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Te
     if x.dim() == 0:
         return _sparsemax_op(x.reshape(1), 0).reshape(())
     if uses_kernels(x) and not torch.compiler.is_compiling():
-        return _EagerSparsemax.apply(x, dim)
+        if x.requires_grad and torch.is_grad_enabled():
+            return _EagerSparsemax.apply(x, dim)
+        return kernels.sparsemax_forward(x, dim)  # nothing to record: the launch alone
     return _sparsemax_op(x, dim)
 
 
