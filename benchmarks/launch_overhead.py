@@ -5,6 +5,7 @@ median host time of one call (not synchronised), and for the end-to-end rows als
 call of 2000 calls in a row (synchronised once: what a training loop sees), next to
 torch.softmax and an autograd.Function that only clones. `--json PATH` writes the table.
 """
+import importlib
 import json
 import statistics
 import sys
@@ -15,10 +16,13 @@ import triton
 
 import flashmax
 from flashmax.kernels import entmax as entmax_kernels
-from flashmax.kernels import launch
 from flashmax.kernels import sparsemax as kernels
 from flashmax.kernels.launch import tensor_key
 from flashmax.sparsemax import check_input
+
+# The modules (flashmax.sparsemax and flashmax.entmax are also the functions' names).
+fm_sparsemax = importlib.import_module("flashmax.sparsemax")
+fm_entmax = importlib.import_module("flashmax.entmax")
 
 
 def host_us(fn, reps=300):
@@ -96,6 +100,7 @@ def main():
             torch.autograd.grad(out, x, out)
         return run
 
+    clone_direct = fm_sparsemax.direct_apply(CloneFunction)
     single = {
         "torch.empty(shape, dtype, device)": lambda: torch.empty(xd.shape, dtype=xd.dtype,
                                                                  device=xd.device),
@@ -121,6 +126,7 @@ def main():
         "kernels.sparsemax_forward": lambda: kernels.sparsemax_forward(xd, 1),
         "kernels.sparsemax_backward": lambda: kernels.sparsemax_backward(y, xd, 1),
         "CloneFunction.apply (grad)": lambda: CloneFunction.apply(x),
+        "CloneFunction direct_apply (grad)": lambda: clone_direct(x),
         "flashmax.sparsemax (no grad)": lambda: flashmax.sparsemax(xd),
         "flashmax.sparsemax (grad)": lambda: flashmax.sparsemax(x),
         "torch.softmax (grad)": lambda: torch.softmax(x, -1),
@@ -153,31 +159,20 @@ def main():
 
     measure(single)
     measure(end_to_end, loop=True)
-    # This commit's kept launches (the C function where known, pointers as integers, the
-    # device checked without torch.cuda's lazy-initialisation check) against f48e1a2's (Triton's
-    # launcher given the tensors), alternated ROUNDS times: the host's speed drifts.
-    def previous_direct_launch(compiled, grid, scalars):
-        runner = compiled[grid]
-        launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-        driver = triton.runtime.driver.active
-        device, current_stream = driver.get_current_device(), driver.get_current_stream
-
-        def launch_on(tensors):
-            if launch._hooked():
-                runner(*tensors, *scalars)
-            else:
-                launcher(*grid, current_stream(device), function, metadata, None, None, None,
-                         *tensors, *scalars)
-        return launch_on
-
-    new = launch.direct_launch
-    old = previous_direct_launch
+    # This commit's eager applies (`direct_apply`: the C apply of autograd.Function) against
+    # the ones before it (Function.apply), alternated ROUNDS times: the host's speed drifts.
+    eager = {module: getattr(module, name) for module, name in
+             ((fm_sparsemax, "_eager_sparsemax"), (fm_entmax, "_eager_entmax15"))}
+    before = {fm_sparsemax: fm_sparsemax.eager_function(
+                  "_EagerSparsemax", kernels.sparsemax_forward, kernels.sparsemax_backward,
+                  fm_sparsemax._sparsemax_backward_op).apply,
+              fm_entmax: fm_sparsemax.eager_function(
+                  "_EagerEntmax15", entmax_kernels.entmax15_forward,
+                  entmax_kernels.entmax15_backward, fm_entmax._entmax15_backward_op).apply}
     for round_ in range(ROUNDS):
-        for suffix, make in ((f", before {round_}", old), (f", now {round_}", new)):
-            launch.direct_launch = make
-            for cache in (kernels.FORWARD_LAUNCHES, kernels.BACKWARD_LAUNCHES,
-                          entmax_kernels.FORWARD_LAUNCHES, entmax_kernels.BACKWARD_LAUNCHES):
-                cache.plans.clear()
+        for suffix, applies in ((f", before {round_}", before), (f", now {round_}", eager)):
+            fm_sparsemax._eager_sparsemax = applies[fm_sparsemax]
+            fm_entmax._eager_entmax15 = applies[fm_entmax]
             measure({name: end_to_end[name] for name in ("sparsemax fwd+bwd",
                                                          "entmax15 fwd+bwd")}, suffix, loop=True)
     print(results["torch"], results["triton"], results["device"])
