@@ -5,7 +5,6 @@ median host time of one call (not synchronised), and for the end-to-end rows als
 call of 2000 calls in a row (synchronised once: what a training loop sees), next to
 torch.softmax and an autograd.Function that only clones. `--json PATH` writes the table.
 """
-import importlib
 import json
 import statistics
 import sys
@@ -15,14 +14,9 @@ import torch
 import triton
 
 import flashmax
-from flashmax.kernels import entmax as entmax_kernels
 from flashmax.kernels import sparsemax as kernels
 from flashmax.kernels.launch import tensor_key
 from flashmax.sparsemax import check_input
-
-# The modules (flashmax.sparsemax and flashmax.entmax are also the functions' names).
-fm_sparsemax = importlib.import_module("flashmax.sparsemax")
-fm_entmax = importlib.import_module("flashmax.entmax")
 
 
 def host_us(fn, reps=300):
@@ -53,7 +47,7 @@ def loop_us(fn, calls=2000, runs=5):
     return statistics.median(results)
 
 
-ROUNDS = 5  # of the comparison of kept launches
+ROUNDS = 5  # of the end-to-end loops
 
 
 class CloneFunction(torch.autograd.Function):
@@ -100,7 +94,6 @@ def main():
             torch.autograd.grad(out, x, out)
         return run
 
-    clone_direct = fm_sparsemax.direct_apply(CloneFunction)
     single = {
         "torch.empty(shape, dtype, device)": lambda: torch.empty(xd.shape, dtype=xd.dtype,
                                                                  device=xd.device),
@@ -126,7 +119,6 @@ def main():
         "kernels.sparsemax_forward": lambda: kernels.sparsemax_forward(xd, 1),
         "kernels.sparsemax_backward": lambda: kernels.sparsemax_backward(y, xd, 1),
         "CloneFunction.apply (grad)": lambda: CloneFunction.apply(x),
-        "CloneFunction direct_apply (grad)": lambda: clone_direct(x),
         "flashmax.sparsemax (no grad)": lambda: flashmax.sparsemax(xd),
         "flashmax.sparsemax (grad)": lambda: flashmax.sparsemax(x),
         "torch.softmax (grad)": lambda: torch.softmax(x, -1),
@@ -158,36 +150,22 @@ def main():
                 print(f"{name}: {type(error).__name__}: {error}")
 
     measure(single)
-    measure(end_to_end, loop=True)
-    # This commit's eager applies (`direct_apply`: the C apply of autograd.Function) against
-    # the ones before it (Function.apply), alternated ROUNDS times: the host's speed drifts.
-    eager = {module: getattr(module, name) for module, name in
-             ((fm_sparsemax, "_eager_sparsemax"), (fm_entmax, "_eager_entmax15"))}
-    before = {fm_sparsemax: fm_sparsemax.eager_function(
-                  "_EagerSparsemax", kernels.sparsemax_forward, kernels.sparsemax_backward,
-                  fm_sparsemax._sparsemax_backward_op).apply,
-              fm_entmax: fm_sparsemax.eager_function(
-                  "_EagerEntmax15", entmax_kernels.entmax15_forward,
-                  entmax_kernels.entmax15_backward, fm_entmax._entmax15_backward_op).apply}
+    # The end-to-end loops in ROUNDS rounds (the host's speed drifts), each against softmax's
+    # of the same round. To compare a change, patch it in and out in alternate rounds.
     for round_ in range(ROUNDS):
-        for suffix, applies in ((f", before {round_}", before), (f", now {round_}", eager)):
-            fm_sparsemax._eager_sparsemax = applies[fm_sparsemax]
-            fm_entmax._eager_entmax15 = applies[fm_entmax]
-            measure({name: end_to_end[name] for name in ("sparsemax fwd+bwd",
-                                                         "entmax15 fwd+bwd")}, suffix, loop=True)
+        measure(end_to_end, f", round {round_}", loop=True)
     print(results["torch"], results["triton"], results["device"])
     for name, value in results["host_us"].items():
         loop = results["loop_us"].get(name)
         print(f"{name:46} {value:8.1f} us host" + ("" if loop is None else
                                                   f"   {loop:8.1f} us a call in a loop"))
-    for op in ("sparsemax fwd+bwd", "entmax15 fwd+bwd"):
-        for kind in ("host_us", "loop_us"):
-            before, now = ([results[kind].get(f"{op}, {when} {round_}", float("nan"))
-                            for round_ in range(ROUNDS)] for when in ("before", "now"))
-            results.setdefault("median_of_rounds", {})[f"{op} {kind}"] = {
-                "before": statistics.median(before), "now": statistics.median(now)}
-            print(f"{op} {kind}: median of {ROUNDS} rounds, before {statistics.median(before):.1f}"
-                  f", now {statistics.median(now):.1f}")
+    for op in end_to_end:
+        ratios = [results["loop_us"][f"{op}, round {round_}"]
+                  / results["loop_us"][f"softmax fwd+bwd, round {round_}"]
+                  for round_ in range(ROUNDS)]
+        results.setdefault("loop_ratio_to_softmax", {})[op] = ratios
+        print(f"{op} loop / softmax's, per round: {' '.join(f'{r:.2f}' for r in ratios)} "
+              f"(median {statistics.median(ratios):.2f})")
     if "--json" in sys.argv:
         with open(sys.argv[sys.argv.index("--json") + 1], "w") as file:
             json.dump(results, file, indent=1)

@@ -702,28 +702,6 @@ def test_compile_dynamic_shapes_and_module():
         torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
 
 
-def test_direct_apply_matches_function_apply():
-    # The eager CUDA path's autograd.Function applied through its C apply (`direct_apply`),
-    # here over the CPU custom ops: the same outputs, node and gradients as Function.apply, and
-    # inside a functorch transform the same error (eager functions have no setup_context).
-    from flashmax.sparsemax import (_sparsemax_backward_op, _sparsemax_op, direct_apply,
-                                    eager_function)
-
-    function = eager_function("Probe", _sparsemax_op, _sparsemax_backward_op,
-                              _sparsemax_backward_op)
-    apply = direct_apply(function)
-    x = torch.randn(5, 7, requires_grad=True)
-    g = torch.randn(5, 7)
-    y_direct, y_apply = apply(x, 1), function.apply(x, 1)
-    assert type(y_direct.grad_fn).__name__ == "ProbeBackward" and y_direct is not x
-    assert_bitwise_equal(y_direct, y_apply, "direct apply differs")
-    assert_bitwise_equal(torch.autograd.grad(y_direct, x, g)[0],
-                         torch.autograd.grad(y_apply, x, g)[0], "gradients differ")
-    for fn in (apply, function.apply):
-        with pytest.raises(RuntimeError, match="setup_context"):
-            torch.func.vmap(lambda t: fn(t, 0))(x.detach())
-
-
 # ----------------------------------------------------------------------------------------------
 # Module
 # ----------------------------------------------------------------------------------------------

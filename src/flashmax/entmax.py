@@ -2,16 +2,15 @@
 
 The same structure as `flashmax.sparsemax`: CUDA tensors run the Triton kernels in
 `flashmax.kernels.entmax`, every other tensor the exact pure-torch `flashmax.reference_entmax`;
-eager CUDA calls skip the dispatcher through `_EagerEntmax15` (`sparsemax.eager_function` and
-`direct_apply`), torch.compile sees the custom op.
+eager CUDA calls skip the dispatcher through `_EagerEntmax15` (`sparsemax.eager_function`),
+torch.compile sees the custom op.
 """
 
 import torch
 from torch import nn
 
 from . import reference_entmax as reference
-from .sparsemax import (check_input, compute_dtype, direct_apply, eager_function,
-                        register_output_autograd)
+from .sparsemax import check_input, compute_dtype, eager_function, register_output_autograd
 
 from .kernels import load as load_kernels
 
@@ -84,9 +83,9 @@ def _double_backward(ctx, grad_dx):
 _entmax15_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
 
 
-_eager_entmax15 = None if kernels is None else direct_apply(eager_function(
+_EagerEntmax15 = None if kernels is None else eager_function(
     "_EagerEntmax15", kernels.entmax15_forward, kernels.entmax15_backward,
-    _entmax15_backward_op))
+    _entmax15_backward_op)
 
 
 def entmax15(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Tensor:
@@ -108,7 +107,7 @@ def entmax15(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Ten
         return _entmax15_op(x.reshape(1), 0).reshape(())
     if uses_kernels(x) and not torch.compiler.is_compiling():
         if x.requires_grad and torch.is_grad_enabled():
-            return _eager_entmax15(x, dim)
+            return _EagerEntmax15.apply(x, dim)
         return kernels.entmax15_forward(x, dim)  # nothing to record: the launch alone
     return _entmax15_op(x, dim)
 

@@ -6,9 +6,9 @@ Results are always contiguous tensors of the input's shape, so fake and real lay
 
 Eager calls on CUDA skip the custom-op dispatcher, whose Python layers cost about as much host
 time as a small kernel takes on the GPU, through `_EagerSparsemax`, a thin autograd.Function
-over the same kernels (bit-identical results; `eager_function`, applied by `direct_apply`),
-or the forward launcher alone when autograd has nothing to record (Function.apply costs
-~5 µs of host time); torch.compile always sees the custom op.
+over the same kernels (bit-identical results; `eager_function`), or the forward launcher alone
+when autograd has nothing to record (Function.apply costs ~5 µs of host time); torch.compile
+always sees the custom op.
 """
 
 import torch
@@ -135,30 +135,9 @@ def eager_function(name: str, forward, backward, backward_op) -> type:
                 {"forward": staticmethod(forward_fn), "backward": staticmethod(backward_fn)})
 
 
-def direct_apply(function: type):
-    """function.apply(x, *args) through the C apply that autograd.Function.apply ends in, ~2 µs
-    of host time less. Function.apply binds default arguments for a setup_context (eager
-    functions have none), unwraps dead functorch wrappers, and hands calls inside functorch
-    transforms to them; here the unwrap is one C call and transforms still go to
-    function.apply. A torch without these internals gets function.apply itself."""
-    try:
-        c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
-        transforms_active = torch._C._are_functorch_transforms_active
-        unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-    except (AttributeError, KeyError):
-        return function.apply
-
-    def apply(x: torch.Tensor, *args):
-        if transforms_active():
-            return function.apply(x, *args)
-        return c_apply(unwrap_if_dead(x), *args)
-
-    return apply
-
-
-_eager_sparsemax = None if kernels is None else direct_apply(eager_function(
+_EagerSparsemax = None if kernels is None else eager_function(
     "_EagerSparsemax", kernels.sparsemax_forward, kernels.sparsemax_backward,
-    _sparsemax_backward_op))
+    _sparsemax_backward_op)
 
 
 def sparsemax(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Tensor:
@@ -179,7 +158,7 @@ def sparsemax(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Te
         return _sparsemax_op(x.reshape(1), 0).reshape(())
     if uses_kernels(x) and not torch.compiler.is_compiling():
         if x.requires_grad and torch.is_grad_enabled():
-            return _eager_sparsemax(x, dim)
+            return _EagerSparsemax.apply(x, dim)
         return kernels.sparsemax_forward(x, dim)  # nothing to record: the launch alone
     return _sparsemax_op(x, dim)
 
