@@ -63,8 +63,8 @@ def _launcher(compiled: CompiledKernel) -> tuple:
     """(launch, arguments): compiled's kernel launches as
     launch(*grid, stream, kernel handle, *arguments, *the kernel's arguments).
     Triton's launcher takes (packed metadata, launch metadata, enter hook, exit hook); on
-    C_LAUNCH_RELEASES its C function is called directly (1.7 µs a launch less on the H200's
-    host: its Python wrapper only looks up scratch memory)."""
+    C_LAUNCH_RELEASES its C function is called directly (0.7-1.6 µs a launch less on H200
+    hosts, launch_overhead.py in NOTES v48-v51: its Python wrapper only looks up scratch)."""
     launcher = compiled.run
     hooks = (compiled.packed_metadata, None, None, None)
     if (triton.__version__.startswith(C_LAUNCH_RELEASES) and not launcher.global_scratch_size
