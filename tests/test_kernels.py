@@ -160,6 +160,9 @@ def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
         assert (share > bound).all(), (share - bound)
     if dist == "rand-masked-chunk":
         assert (share == floor).all(), share
+    if dist == "rand-masked-chunk" and share_steps == 3:
+        # Written with the more stepped share bounds only: entmax-1.5's row pass over these
+        # dense rows takes ~6 minutes under the interpreter per run.
         split.write(split.threshold())
         assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6,
                                oracle_fn=oracle if op == "sparsemax" else entmax15_oracle)
