@@ -199,8 +199,10 @@ def _entmax_tile(z, pivot, step, bad):
 
 @triton.jit
 def _entmax15_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
-    """entmax-1.5 of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype (the same
-    code whether the program holds the next tile, PREFETCHING, or not)."""
+    """entmax-1.5 of each row of a [BLOCK_M, GROUP, WIDTH] tile of the input's dtype, in the
+    compute dtype (the same code whether the program holds the next tile, PREFETCHING, or
+    not)."""
+    x = _compute_dtype(x)
     row_max = _tile_max(x)
     z = (x - row_max[:, None, None]) * 0.5
     pivot, step, _ = _entmax_tile_threshold(z, GROUP, not PREFETCHING)

@@ -92,6 +92,13 @@ PART_MAX, PART_BOUND, PART_COUNT, PART_SHARE = (tl.constexpr(i) for i in range(4
 STATE_SIZE = tl.constexpr(4)
 STATE_MAX, STATE_PIVOT, STATE_STEP, STATE_ZERO_BELOW = (tl.constexpr(i) for i in range(4))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
+# fp32 rows of GROUPWISE_EXACT_FROM to _TO entries held one a program sum a tiny row's
+# fp64 step one group at a time (`_exact_outputs`). The branch is rarely taken, but its widened
+# tile takes registers from every row: measured on an H200 (NOTES, v52), 152 -> 128 registers
+# there and uniform and randn x 0.01 rows 4-7% faster, randn unchanged; 2-byte rows lost up to
+# 20% with it (4096 bf16), fp32 at 32768 entries 5% on randn, other widths unchanged.
+GROUPWISE_EXACT_FROM = tl.constexpr(4096)
+GROUPWISE_EXACT_TO = tl.constexpr(8192)
 # A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
 # are ties with tau (`reference.EXACT_ZERO_BELOW`).
 EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
@@ -341,7 +348,7 @@ def _zero_at_tau(y, tau):
 
 
 @triton.jit
-def _exact_outputs(z, pivot, step, tiny, tied):
+def _exact_outputs(z, pivot, step, tiny, tied, GROUPWISE: tl.constexpr):
     """max(z - tau, 0) of each row of an fp32 tile of z; in `tiny` rows, whose fp32 threshold
     (pivot, step), rounded by up to ~4 ulps of tau, cannot tell an entry tied with tau from a
     true output that small, with tau refined in fp64 (`reference.exact_outputs`); in other
@@ -352,13 +359,26 @@ def _exact_outputs(z, pivot, step, tiny, tied):
     tau (which lower it by at most that over the support's size, and stay below it), so the
     step lands on tau. z - lower is exact in fp64. tau goes back as (pivot, step) in fp32,
     ~48 bits; outputs within EXACT_ZERO_BELOW of it are ties. The branch's registers count
-    where it is not taken too (NOTES, v23: up to 13% at 256 entries)."""
+    where it is not taken too (NOTES, v23: up to 13% at 256 entries); GROUPWISE widens and sums
+    one group of the tile at a time, in a loop that is not unrolled (GROUPWISE_EXACT_FROM)."""
     tau = pivot.to(tl.float64) + step.to(tl.float64)
     lower = tau - tl.abs(tau) * 2.0**-20
-    d = z.to(tl.float64) - lower[:, None, None]
-    support = d > 0
-    total, count = tl.reduce((tl.where(support, d, 0.0), support.to(tl.float64)), 1, _add_add)
-    total, count = tl.reduce((total, count), 1, _add_add)
+    if GROUPWISE:
+        total = tl.zeros_like(lower)
+        count = tl.zeros_like(lower)
+        groups = tl.arange(0, z.shape[1])[None, :, None]
+        for group in range(z.shape[1]):
+            # This group's entries exactly: the others add zeros.
+            d = tl.sum(tl.where(groups == group, z, 0.0), axis=1).to(tl.float64) - lower[:, None]
+            support = d > 0
+            total += tl.sum(tl.where(support, d, 0.0), axis=1)
+            count += tl.sum(support.to(tl.float64), axis=1)
+    else:
+        d = z.to(tl.float64) - lower[:, None, None]
+        support = d > 0
+        total, count = tl.reduce((tl.where(support, d, 0.0), support.to(tl.float64)), 1,
+                                 _add_add)
+        total, count = tl.reduce((total, count), 1, _add_add)
     exact = lower + (total - 1.0) / count
     exact_pivot = exact.to(tl.float32)
     tol = tl.where(tied, _zero_below(pivot + step), 0.0)
@@ -371,7 +391,7 @@ def _exact_outputs(z, pivot, step, tiny, tied):
 
 
 @triton.jit
-def _sparsemax_tile(z, pivot, step, bad, tiny):
+def _sparsemax_tile(z, pivot, step, bad, tiny, GROUPWISE: tl.constexpr = False):
     """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tiny` (`_tiny`) or
     its last step negative (which may leave entries at the pivot just above 0), outputs within
     rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
@@ -399,7 +419,7 @@ def _sparsemax_tile(z, pivot, step, bad, tiny):
         out = tl.where(y <= tol[:, None, None], 0.0, y)
         if exact:
             if tl.max(tiny.to(tl.int32), axis=0) > 0:
-                out = _exact_outputs(z, pivot, step, tiny, tied)
+                out = _exact_outputs(z, pivot, step, tiny, tied, False)
         return out
     # One reduction says both: the worst row is 2 if tiny (a tiny row is tied), 1 if tied.
     worst = tl.max(tied.to(tl.int32) + tiny.to(tl.int32), axis=0)
@@ -407,7 +427,7 @@ def _sparsemax_tile(z, pivot, step, bad, tiny):
     any_tiny = worst > 1
     if any_tied:
         if exact and any_tiny:
-            out = _exact_outputs(z, pivot, step, tiny, tied)
+            out = _exact_outputs(z, pivot, step, tiny, tied, GROUPWISE)
         else:
             out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
     else:
@@ -499,13 +519,19 @@ def _store_rows(Y, tile, block, n_rows, n, inner, stride_outer, stride_inner, st
 
 @triton.jit
 def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
-    """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile in the compute dtype; the same
-    code whether the program holds the next tile (PREFETCHING, `_map_rows`) or not."""
+    """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile of the input's dtype, in the
+    compute dtype; the same code whether the program holds the next tile (PREFETCHING,
+    `_map_rows`) or not."""
+    entries: tl.constexpr = x.shape[0] * x.shape[1] * x.shape[2]
+    groupwise: tl.constexpr = (x.dtype == tl.float32 and GROUPWISE_EXACT_FROM <= entries
+                               and entries <= GROUPWISE_EXACT_TO)
+    x = _compute_dtype(x)
     group_max = _group_max(x)
     row_max = _row_max(group_max)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
-    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest))
+    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
+                           groupwise)
 
 
 @triton.jit
@@ -514,8 +540,8 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
               WIDE: tl.constexpr, PREFETCH: tl.constexpr, THREAD_ROWS: tl.constexpr,
               ROW_ALIGN: tl.constexpr, ADJACENT: tl.constexpr):
-    """Y = ROWS_FN(X tile, GROUP, PREFETCHING), BLOCK_M whole rows at a time held in
-    registers: one read, one write.
+    """Y = ROWS_FN(X tile in X's dtype, GROUP, PREFETCHING), BLOCK_M whole rows at a time held
+    in registers: one read, one write.
 
     Without PREFETCH a program does one block. With it, program p does blocks p, p + programs,
     ... and issues the next block's load before working on this one: when all blocks fit in
@@ -539,13 +565,13 @@ def _map_rows(X, Y, n_rows, n, inner, x_stride_outer, x_stride_inner, x_stride_n
             x_next = _load_raw_rows(X, next_block, n_rows, n, inner, x_stride_outer,
                                     x_stride_inner, x_stride_n, BLOCK_M, GROUP, WIDTH, WIDE,
                                     ROW_ALIGN)
-            _store_rows(Y, ROWS_FN(_compute_dtype(x), SEARCH_GROUP, True), block, n_rows, n,
+            _store_rows(Y, ROWS_FN(x, SEARCH_GROUP, True), block, n_rows, n,
                         inner, y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH,
                         WIDE, ROW_ALIGN)
             x = x_next
             block = next_block
     else:
-        _store_rows(Y, ROWS_FN(_compute_dtype(x), SEARCH_GROUP, False), block, n_rows, n, inner,
+        _store_rows(Y, ROWS_FN(x, SEARCH_GROUP, False), block, n_rows, n, inner,
                     y_stride_outer, y_stride_inner, y_stride_n, BLOCK_M, GROUP, WIDTH, WIDE,
                     ROW_ALIGN, ADJACENT)
 
