@@ -477,7 +477,8 @@ def loss_kernel(
         t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
         p = t * t
     else:
-        pivot, step, _ = _tile_threshold(z, _group_max(z), SEARCH_GROUP)
+        pivot, step, _ = _tile_threshold(z, _group_max(z), SEARCH_GROUP,
+                                         tl.full([BLOCK_M], -1.0, z.dtype))
         p = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
     ignored = target == ignore_index
     # A target outside the classes makes its row NaN: a check on the host would cost a sync.

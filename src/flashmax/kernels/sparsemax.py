@@ -99,6 +99,10 @@ CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
 # 20% with it (4096 bf16), fp32 at 32768 entries 5% on randn, other widths unchanged.
 GROUPWISE_EXACT_FROM = tl.constexpr(4096)
 GROUPWISE_EXACT_TO = tl.constexpr(8192)
+# The group maxima's Newton steps start this far below the exact tau of a row's largest two
+# (`_row_max_and_start`): at least 8 of its ulps (tau lies in [-1, 0]), so that the start's
+# rounding never puts it above the row's tau, from where Newton could stop short of it.
+TOP_TWO_MARGIN = tl.constexpr(2.0**-20)
 # A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
 # are ties with tau (`reference.EXACT_ZERO_BELOW`).
 EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
@@ -255,10 +259,11 @@ def _support_found(z, pivot, step, size):
 
 
 @triton.jit
-def _tile_threshold(z, group_z, GROUP: tl.constexpr):
+def _tile_threshold(z, group_z, GROUP: tl.constexpr, start):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0,
-    starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH], and the smallest
-    entry of the last step's support (`_newton_threshold`).
+    starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH], found by Newton
+    from lower bounds `start` [BLOCK_M] on it, and the smallest entry of the last step's
+    support (`_newton_threshold`).
 
     In a tile of one row, when that tau leaves few group maxima above it (at most
     sqrt(WIDTH): then two of them share a group, leaving one out, in less than ~40% of rows),
@@ -270,7 +275,7 @@ def _tile_threshold(z, group_z, GROUP: tl.constexpr):
     several rows (up to 1024 entries) lost 4% on randn and 10% on uniform rows at 256 entries,
     so they keep the full steps.
     """
-    tau = tl.full([z.shape[0]], -1.0, z.dtype)
+    tau = start
     if GROUP > 1:
         pivot, step, smallest, size = _newton_threshold(tl.expand_dims(group_z, 1), tau)
         if z.shape[0] == 1:
@@ -298,6 +303,28 @@ def _group_max(x):
 @triton.jit
 def _row_max(group_max):
     return tl.reduce(group_max, 1, _nan_max)
+
+
+@triton.jit
+def _top_two(first_a, second_a, first_b, second_b):
+    # A NaN anywhere makes the first NaN (a bad row); the second is then unused.
+    return (_nan_max(first_a, first_b),
+            tl.maximum(tl.minimum(first_a, first_b), tl.maximum(second_a, second_b)))
+
+
+@triton.jit
+def _row_max_and_start(group_max):
+    """The max of each row's group maxima [BLOCK_M, WIDTH] and a lower bound on the tau of
+    their Newton steps (`_tile_threshold`'s start): the exact tau of the row's largest two,
+    (second - max - 1) / 2 in x - max, less a margin over its rounding, or -1.
+
+    The second rides along the max's own reduction. On randn rows it is worth ~1.8 of the
+    group maxima's ~4 steps (a simulation, fp64, 400 rows, 2048-32768 entries); dense rows'
+    many group maxima near the max leave theirs (5-8) unchanged (NOTES, v54)."""
+    row_max, second = tl.reduce((group_max, tl.full(group_max.shape, -float("inf"),
+                                                    group_max.dtype)), 1, _top_two)
+    start = tl.maximum(((second - row_max) - 1.0) * 0.5 - TOP_TWO_MARGIN, -1.0)
+    return row_max, start
 
 
 @triton.jit
@@ -527,9 +554,14 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
                                and entries <= GROUPWISE_EXACT_TO)
     x = _compute_dtype(x)
     group_max = _group_max(x)
-    row_max = _row_max(group_max)
+    if x.shape[0] == 1 and GROUP > 1:
+        # A row a program, searched over its group maxima first.
+        row_max, start = _row_max_and_start(group_max)
+    else:
+        row_max = _row_max(group_max)
+        start = tl.full(row_max.shape, -1.0, row_max.dtype)
     z = x - row_max[:, None, None]
-    pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP)
+    pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP, start)
     return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
                            groupwise)
 
