@@ -7,6 +7,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from flashmax import reference  # noqa: E402
 from flashmax.kernels import sparsemax as kernels  # noqa: E402
@@ -521,6 +523,88 @@ def test_two_support_entries_in_one_group(n):
     y = forward(x)
     assert y[1, 5] == 0.5625 and y[1, 5 + 3 * n // 8] == 0.4375, y[1, [5, 5 + 3 * n // 8]]
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+
+
+@triton.jit
+def _start_kernel(GROUP_MAX, OUT, WIDTH: tl.constexpr):
+    group_max = tl.load(GROUP_MAX + tl.arange(0, WIDTH))[None, :]
+    row_max, start = kernels._row_max_and_start(group_max)
+    tl.store(OUT + tl.arange(0, 1), row_max)
+    tl.store(OUT + 1 + tl.arange(0, 1), start)
+
+
+def _tau(values: torch.Tensor) -> float:
+    """The exact sparsemax threshold of a set: the largest (sum of its top k - 1) / k."""
+    top = values.double().sort(descending=True).values
+    top = top[top > -torch.inf]
+    return ((top.cumsum(0) - 1) / torch.arange(1, len(top) + 1, dtype=torch.float64)).max().item()
+
+
+@triton.jit
+def _merge_kernel(A, B, OUT, N: tl.constexpr):
+    rows = tl.arange(0, N) * 2
+    first, second = kernels._top_two(tl.load(A + rows), tl.load(A + rows + 1),
+                                     tl.load(B + rows), tl.load(B + rows + 1))
+    tl.store(OUT + rows, first)
+    tl.store(OUT + rows + 1, second)
+
+
+def test_top_two_merges_any_two_lists():
+    """The reduction's step: the largest two of two descending pairs, ties and -inf included
+    (on a GPU the reduction merges partial pairs; the interpreter only appends one value)."""
+    n = 256
+    g = torch.Generator().manual_seed(4)
+    values = torch.randint(0, 4, (n, 4), generator=g).float()
+    values[torch.rand(n, 4, generator=g) < 0.2] = -torch.inf
+    a, b = (half.sort(dim=1, descending=True).values.contiguous() for half in values.split(2, 1))
+    out = torch.full((n, 2), POISON, device=DEVICE)
+    _merge_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), out, N=n)
+    assert torch.equal(out.cpu(), values.sort(dim=1, descending=True).values[:, :2])
+
+
+@triton.jit
+def _start_kernel(GROUP_MAX, OUT, WIDTH: tl.constexpr):
+    group_max = tl.load(GROUP_MAX + tl.arange(0, WIDTH))[None, :]
+    row_max, start = kernels._row_max_and_start(group_max)
+    tl.store(OUT + tl.arange(0, 1), row_max)
+    tl.store(OUT + 1 + tl.arange(0, 1), start)
+
+
+def _tau(values: torch.Tensor) -> float:
+    """The exact sparsemax threshold of a set: the largest (sum of its top k - 1) / k."""
+    top = values.double().sort(descending=True).values
+    top = top[top > -torch.inf]
+    return ((top.cumsum(0) - 1) / torch.arange(1, len(top) + 1, dtype=torch.float64)).max().item()
+
+
+@pytest.mark.parametrize("dist", ["randn", "rand", "ties", "near", "masked", "huge"])
+def test_group_maxima_start_is_the_top_two_tau(dist):
+    """The group maxima's Newton steps start just below the exact tau of the row's largest two,
+    which is a lower bound on their tau."""
+    width = 64
+    g = torch.Generator().manual_seed(len(dist))
+    for trial in range(20):
+        x = torch.randn(width, generator=g, dtype=torch.float64)
+        if dist == "rand":
+            x = torch.rand(width, generator=g, dtype=torch.float64)
+        elif dist == "ties":
+            x = torch.randint(0, 3, (width,), generator=g).double() / 4
+        elif dist == "near":  # two within 1e-3 of each other, anywhere in the row
+            x[torch.randperm(width, generator=g)[:2]] = (
+                5.0 + torch.rand(2, generator=g, dtype=torch.float64) * 1e-3)
+        elif dist == "masked":  # one to five finite
+            x[torch.randperm(width, generator=g)[:width - 1 - trial % 5]] = -torch.inf
+        elif dist == "huge":
+            x = x * 1e3
+        x = x.float()
+        out = torch.full((2,), POISON, device=DEVICE)
+        _start_kernel[(1,)](x.to(DEVICE), out, WIDTH=width)
+        row_max, start = out.cpu().double().tolist()
+        assert row_max == x.max().item()
+        z = x.double() - row_max
+        top_two = max(_tau(z.sort(descending=True).values[:2]), -1.0)
+        assert start <= _tau(z), (trial, start, _tau(z))
+        assert start >= top_two - 2.0**-19, (trial, start, top_two)
 
 
 def test_backward_strided_grad():

@@ -30,11 +30,11 @@ from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, SPLIT_MANY_ROW
                         STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
                         SplitRows, _add_add, _candidate_values, _chunk_extent, _compute_dtype,
                         _entry_offsets, _group_max, _held_candidates, _is_bad, _load_raw_rows,
-                        _load_y_g, _map_rows, _next_power_of_2, _row_partials, _rows,
-                        _split_gradient_chunk, _split_row_start, _split_y_g_chunk, _store_partials,
-                        _store_rows, _strided, _support_found, _tile_max, _tile_threshold, _wide,
-                        kept_launch, launch_gradient_rows, launch_rows, max_block_n, row_align,
-                        rows_launch)
+                        _load_y_g, _map_rows, _next_power_of_2, _row_max_and_start, _row_partials,
+                        _rows, _split_gradient_chunk, _split_row_start, _split_y_g_chunk,
+                        _store_partials, _store_rows, _strided, _support_found, _tile_max,
+                        _tile_threshold, _wide, kept_launch, launch_gradient_rows, launch_rows,
+                        max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -468,7 +468,9 @@ def loss_kernel(
     if BACKWARD:
         scale = tl.load(GL + rows, mask=rows < n_rows, other=0.0)
     x = _compute_dtype(x)
-    row_max = _tile_max(x)
+    group_max = _group_max(x)
+    row_max, start = _row_max_and_start(group_max, not ENTMAX15 and BLOCK_M == 1
+                                        and SEARCH_GROUP > 1)
     bad = _is_bad(row_max)
     z = x - row_max[:, None, None]
     if ENTMAX15:
@@ -477,8 +479,7 @@ def loss_kernel(
         t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
         p = t * t
     else:
-        pivot, step, _ = _tile_threshold(z, _group_max(z), SEARCH_GROUP,
-                                         tl.full([BLOCK_M], -1.0, z.dtype))
+        pivot, step, _ = _tile_threshold(z, group_max - row_max[:, None], SEARCH_GROUP, start)
         p = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
     ignored = target == ignore_index
     # A target outside the classes makes its row NaN: a check on the host would cost a sync.

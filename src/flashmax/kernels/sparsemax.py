@@ -313,14 +313,20 @@ def _top_two(first_a, second_a, first_b, second_b):
 
 
 @triton.jit
-def _row_max_and_start(group_max):
+def _row_max_and_start(group_max, SEARCHED: tl.constexpr = True):
     """The max of each row's group maxima [BLOCK_M, WIDTH] and a lower bound on the tau of
-    their Newton steps (`_tile_threshold`'s start): the exact tau of the row's largest two,
+    their Newton steps (`_tile_threshold`'s start), -1 unless SEARCHED (programs of one row
+    whose group maxima are searched first): the exact tau of the row's largest two,
     (second - max - 1) / 2 in x - max, less a margin over its rounding, or -1.
 
     The second rides along the max's own reduction. On randn rows it is worth ~1.8 of the
     group maxima's ~4 steps (a simulation, fp64, 400 rows, 2048-32768 entries); dense rows'
-    many group maxima near the max leave theirs (5-8) unchanged (NOTES, v54)."""
+    many group maxima near the max leave theirs (5-8) unchanged (NOTES, v54). Their largest
+    four instead leave 1.1-1.3 steps on randn rows, but the wider merge cost what it saved
+    (NOTES, v55)."""
+    if not SEARCHED:
+        row_max = _row_max(group_max)
+        return row_max, tl.full(row_max.shape, -1.0, row_max.dtype)
     row_max, second = tl.reduce((group_max, tl.full(group_max.shape, -float("inf"),
                                                     group_max.dtype)), 1, _top_two)
     start = tl.maximum(((second - row_max) - 1.0) * 0.5 - TOP_TWO_MARGIN, -1.0)
@@ -554,12 +560,7 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
                                and entries <= GROUPWISE_EXACT_TO)
     x = _compute_dtype(x)
     group_max = _group_max(x)
-    if x.shape[0] == 1 and GROUP > 1:
-        # A row a program, searched over its group maxima first.
-        row_max, start = _row_max_and_start(group_max)
-    else:
-        row_max = _row_max(group_max)
-        start = tl.full(row_max.shape, -1.0, row_max.dtype)
+    row_max, start = _row_max_and_start(group_max, x.shape[0] == 1 and GROUP > 1)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP, start)
     return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
