@@ -11,6 +11,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from flashmax import reference  # noqa: E402
+from flashmax.kernels import entmax as entmax_kernels  # noqa: E402
 from flashmax.kernels import sparsemax as kernels  # noqa: E402
 from oracle import (ROW_JUST_ABOVE_TAU, ROWS_AT_TAU, assert_close_to_oracle,  # noqa: E402
                     entmax15_oracle, oracle, support_gradient)
@@ -526,21 +527,6 @@ def test_two_support_entries_in_one_group(n):
 
 
 @triton.jit
-def _start_kernel(GROUP_MAX, OUT, WIDTH: tl.constexpr):
-    group_max = tl.load(GROUP_MAX + tl.arange(0, WIDTH))[None, :]
-    row_max, start = kernels._row_max_and_start(group_max)
-    tl.store(OUT + tl.arange(0, 1), row_max)
-    tl.store(OUT + 1 + tl.arange(0, 1), start)
-
-
-def _tau(values: torch.Tensor) -> float:
-    """The exact sparsemax threshold of a set: the largest (sum of its top k - 1) / k."""
-    top = values.double().sort(descending=True).values
-    top = top[top > -torch.inf]
-    return ((top.cumsum(0) - 1) / torch.arange(1, len(top) + 1, dtype=torch.float64)).max().item()
-
-
-@triton.jit
 def _merge_kernel(A, B, OUT, N: tl.constexpr):
     rows = tl.arange(0, N) * 2
     first, second = kernels._top_two(tl.load(A + rows), tl.load(A + rows + 1),
@@ -563,22 +549,33 @@ def test_top_two_merges_any_two_lists():
 
 
 @triton.jit
-def _start_kernel(GROUP_MAX, OUT, WIDTH: tl.constexpr):
+def _start_kernel(GROUP_MAX, OUT, WIDTH: tl.constexpr, ENTMAX15: tl.constexpr):
     group_max = tl.load(GROUP_MAX + tl.arange(0, WIDTH))[None, :]
-    row_max, start = kernels._row_max_and_start(group_max)
+    if ENTMAX15:
+        row_max, start = entmax_kernels._entmax_row_max_and_start(group_max, True)
+    else:
+        row_max, start = kernels._row_max_and_start(group_max)
     tl.store(OUT + tl.arange(0, 1), row_max)
     tl.store(OUT + 1 + tl.arange(0, 1), start)
 
 
-def _tau(values: torch.Tensor) -> float:
-    """The exact sparsemax threshold of a set: the largest (sum of its top k - 1) / k."""
-    top = values.double().sort(descending=True).values
-    top = top[top > -torch.inf]
-    return ((top.cumsum(0) - 1) / torch.arange(1, len(top) + 1, dtype=torch.float64)).max().item()
+def _tau(d: torch.Tensor, op: str) -> float:
+    """The exact threshold of a set of d = x - max <= 0 (finite or -inf) in the op's coordinates:
+    sparsemax's is the largest (sum of its top k - 1) / k; entmax-1.5's, in z = d / 2, the root
+    of sum(max(z - t, 0)^2) = 1, by bisection in fp64."""
+    d = d.double()[d > -torch.inf].sort(descending=True).values
+    if op == "sparsemax":
+        return ((d.cumsum(0) - 1) / torch.arange(1, len(d) + 1, dtype=torch.float64)).max().item()
+    z, low, high = d / 2, -1.0, 0.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if ((z - mid).clamp(min=0) ** 2).sum() > 1 else (low, mid)
+    return low
 
 
+@pytest.mark.parametrize("op", ["sparsemax", "entmax15"])
 @pytest.mark.parametrize("dist", ["randn", "rand", "ties", "near", "masked", "huge"])
-def test_group_maxima_start_is_the_top_two_tau(dist):
+def test_group_maxima_start_is_the_top_two_tau(op, dist):
     """The group maxima's Newton steps start just below the exact tau of the row's largest two,
     which is a lower bound on their tau."""
     width = 64
@@ -598,12 +595,12 @@ def test_group_maxima_start_is_the_top_two_tau(dist):
             x = x * 1e3
         x = x.float()
         out = torch.full((2,), POISON, device=DEVICE)
-        _start_kernel[(1,)](x.to(DEVICE), out, WIDTH=width)
+        _start_kernel[(1,)](x.to(DEVICE), out, WIDTH=width, ENTMAX15=op == "entmax15")
         row_max, start = out.cpu().double().tolist()
         assert row_max == x.max().item()
-        z = x.double() - row_max
-        top_two = max(_tau(z.sort(descending=True).values[:2]), -1.0)
-        assert start <= _tau(z), (trial, start, _tau(z))
+        d = x.double() - row_max
+        top_two = _tau(d.sort(descending=True).values[:2], op)
+        assert start <= _tau(d, op), (trial, start, _tau(d, op))
         assert start >= top_two - 2.0**-19, (trial, start, top_two)
 
 

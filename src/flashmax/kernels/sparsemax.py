@@ -100,7 +100,7 @@ CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
 GROUPWISE_EXACT_FROM = tl.constexpr(4096)
 GROUPWISE_EXACT_TO = tl.constexpr(8192)
 # The group maxima's Newton steps start this far below the exact tau of a row's largest two
-# (`_row_max_and_start`): at least 8 of its ulps (tau lies in [-1, 0]), so that the start's
+# (`_row_max_and_start`, entmax's `_entmax_row_max_and_start`): at least 8 of its ulps (tau lies in [-1, 0]), so that the start's
 # rounding never puts it above the row's tau, from where Newton could stop short of it.
 TOP_TWO_MARGIN = tl.constexpr(2.0**-20)
 # A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
@@ -327,10 +327,16 @@ def _row_max_and_start(group_max, SEARCHED: tl.constexpr = True):
     if not SEARCHED:
         row_max = _row_max(group_max)
         return row_max, tl.full(row_max.shape, -1.0, row_max.dtype)
-    row_max, second = tl.reduce((group_max, tl.full(group_max.shape, -float("inf"),
-                                                    group_max.dtype)), 1, _top_two)
+    row_max, second = _row_max_and_second(group_max)
     start = tl.maximum(((second - row_max) - 1.0) * 0.5 - TOP_TWO_MARGIN, -1.0)
     return row_max, start
+
+
+@triton.jit
+def _row_max_and_second(group_max):
+    """The largest two of each row's group maxima [BLOCK_M, WIDTH], in one reduction."""
+    return tl.reduce((group_max, tl.full(group_max.shape, -float("inf"), group_max.dtype)), 1,
+                     _top_two)
 
 
 @triton.jit
