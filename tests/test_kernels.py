@@ -554,7 +554,7 @@ def _start_kernel(GROUP_MAX, OUT, WIDTH: tl.constexpr, ENTMAX15: tl.constexpr):
     if ENTMAX15:
         row_max, start = entmax_kernels._entmax_row_max_and_start(group_max, True)
     else:
-        row_max, start = kernels._row_max_and_start(group_max)
+        row_max, start = kernels._row_max_and_start(group_max, True)
     tl.store(OUT + tl.arange(0, 1), row_max)
     tl.store(OUT + 1 + tl.arange(0, 1), start)
 

@@ -100,8 +100,9 @@ CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
 GROUPWISE_EXACT_FROM = tl.constexpr(4096)
 GROUPWISE_EXACT_TO = tl.constexpr(8192)
 # The group maxima's Newton steps start this far below the exact tau of a row's largest two
-# (`_row_max_and_start`, entmax's `_entmax_row_max_and_start`): at least 8 of its ulps (tau lies in [-1, 0]), so that the start's
-# rounding never puts it above the row's tau, from where Newton could stop short of it.
+# (`_row_max_and_start`, entmax's `_entmax_row_max_and_start`): at least 8 of its ulps (tau
+# lies in [-1, 0]), so that the start's rounding never puts it above the row's tau, from where
+# Newton could stop short of it.
 TOP_TWO_MARGIN = tl.constexpr(2.0**-20)
 # A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
 # are ties with tau (`reference.EXACT_ZERO_BELOW`).
@@ -313,7 +314,7 @@ def _top_two(first_a, second_a, first_b, second_b):
 
 
 @triton.jit
-def _row_max_and_start(group_max, SEARCHED: tl.constexpr = True):
+def _row_max_and_start(group_max, SEARCHED: tl.constexpr):
     """The max of each row's group maxima [BLOCK_M, WIDTH] and a lower bound on the tau of
     their Newton steps (`_tile_threshold`'s start), -1 unless SEARCHED (programs of one row
     whose group maxima are searched first): the exact tau of the row's largest two,
@@ -321,9 +322,8 @@ def _row_max_and_start(group_max, SEARCHED: tl.constexpr = True):
 
     The second rides along the max's own reduction. On randn rows it is worth ~1.8 of the
     group maxima's ~4 steps (a simulation, fp64, 400 rows, 2048-32768 entries); dense rows'
-    many group maxima near the max leave theirs (5-8) unchanged (NOTES, v54). Their largest
-    four instead leave 1.1-1.3 steps on randn rows, but the wider merge cost what it saved
-    (NOTES, v55)."""
+    many group maxima near the max leave theirs (5-8) unchanged (NOTES, v54). Starts from
+    their largest four (1.1-1.3 steps left in the simulation) measured no faster (NOTES, v55)."""
     if not SEARCHED:
         row_max = _row_max(group_max)
         return row_max, tl.full(row_max.shape, -1.0, row_max.dtype)
@@ -430,7 +430,7 @@ def _exact_outputs(z, pivot, step, tiny, tied, GROUPWISE: tl.constexpr):
 
 
 @triton.jit
-def _sparsemax_tile(z, pivot, step, bad, tiny, GROUPWISE: tl.constexpr = False):
+def _sparsemax_tile(z, pivot, step, bad, tiny, GROUPWISE: tl.constexpr):
     """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tiny` (`_tiny`) or
     its last step negative (which may leave entries at the pivot just above 0), outputs within
     rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
