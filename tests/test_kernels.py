@@ -74,7 +74,8 @@ def test_forward_fp32_matches_oracle(dist, n):
                                                           device=x.device), atol=1e-5)
 
 
-@pytest.mark.parametrize("n", [300, 1000])  # rows over 16 threads each, one a program
+# Rows over 16 threads each, one a program, and one a program over HALF_ONE_ROW_WARPS' warps.
+@pytest.mark.parametrize("n", [300, 1000, 4096])
 @pytest.mark.parametrize("chunk", [None, 128], ids=["in-registers", "split"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_forward_half_is_fp32_rounded_once(dtype, chunk, n):
@@ -227,6 +228,11 @@ def test_launch_heuristic():
         assert launch.prefetch == prefetch and launch.num_warps == want_warps, (n, launch)
         if prefetch:
             assert launch.programs * launch.num_warps == kernels.PREFETCH_WARPS_PER_SM * sms
+    # Sparsemax's forward holds 2-byte rows of 4096 entries over 4 warps; fp32 rows keep 2.
+    for dtype, want_warps in [(torch.bfloat16, 4), (torch.float16, 4), (torch.float32, 2)]:
+        launch = kernels.rows_launch(x.to(dtype), 64 * sms, 4096,
+                                     half_warps=kernels.HALF_ONE_ROW_WARPS)
+        assert launch.num_warps == want_warps, (dtype, launch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

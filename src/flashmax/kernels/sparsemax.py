@@ -53,6 +53,10 @@ SHORT_ROW = tl.constexpr(256)
 # take ELEMENTS_PER_THREAD (16384 over 8 warps lost 26-44%).
 ONE_ROW_WIDEST = 8192
 ONE_ROW_ENTRIES_PER_THREAD = 64
+# Sparsemax's forward holds 2-byte rows of 4096 entries over 4 warps, not 2: measured on an H200
+# (NOTES, v58), bf16 randn rows 13% faster (72 registers a thread against 158), uniform rows 6%
+# slower; fp32 rows gained nothing and entmax-1.5's forward lost 10%, so they keep 2.
+HALF_ONE_ROW_WARPS = {4096: 4}
 # A forward spreads rows of up to 1 KB over few threads each (by the row's bytes: threads a row),
 # one warp a program (`_load_raw_rows`): a row's reductions are then mostly each thread's own
 # instructions, with few shuffles, and fewer threads repeat its Newton update. Longer rows take
@@ -1505,7 +1509,7 @@ class RowsLaunch(NamedTuple):
 
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, group=None, row_threads=None,
-                thread_entries=ROW_THREAD_ENTRIES, align=None) -> RowsLaunch:
+                thread_entries=ROW_THREAD_ENTRIES, align=None, half_warps=None) -> RowsLaunch:
     """The launch of a `_map_rows` kernel over rows of x.
     programs_per_sm: None for the heuristic (one row a program, prefetching, for widths from
     prefetch_rows[0] to prefetch_rows[1]; None: never), 0 for one program per block, else that
@@ -1515,7 +1519,8 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
     most thread_entries entries a thread where given, unless block_m or group is given; longer
     rows one a program); then ROW_THREADS_WARPS warps and a row a thread-group by default.
     Chunks of one access: Triton lays a load's threads along the entries one access covers,
-    so wider chunks would spread a row over more threads than row_threads."""
+    so wider chunks would spread a row over more threads than row_threads.
+    half_warps: {row width: warps} for 2-byte rows held one a program, over the default's."""
     block_n = _next_power_of_2(n)
     chunk = min(block_n, align or 16 // x.element_size())
     if row_threads is None and block_m is None and group is None:
@@ -1539,6 +1544,8 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
         num_warps = default_warps
         if block_m == 1 and block_n <= ONE_ROW_WIDEST:
             num_warps = max(1, block_n // (32 * ONE_ROW_ENTRIES_PER_THREAD))
+            if x.element_size() == 2 and half_warps:
+                num_warps = half_warps.get(block_n, num_warps)
     if programs_per_sm is None:
         programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps) if prefetching else 0
     blocks = -(-n_rows // block_m)
@@ -1596,7 +1603,7 @@ def adjacent_rows_launch(x, n_rows: int, n: int, inner: int, strides,
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES,
-                adjacent_values=ADJACENT_THREAD_VALUES):
+                adjacent_values=ADJACENT_THREAD_VALUES, half_warps=None):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices (or, for rows
     adjacent in memory and none of rows_launch's overrides, `adjacent_launch`'s with
     adjacent_values), kept under key."""
@@ -1607,7 +1614,7 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
                                         adjacent_values)
     if adjacent is None:
         launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
-                             group, row_threads, thread_entries, align)
+                             group, row_threads, thread_entries, align, half_warps)
     else:
         launch, inner, (x_strides, y_strides) = adjacent
     launches.launch(key, (launch.programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides),
@@ -1682,7 +1689,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
                 x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
                 row_threads=row_threads,
-                adjacent_values=adjacent_values or ADJACENT_THREAD_VALUES)
+                adjacent_values=adjacent_values or ADJACENT_THREAD_VALUES,
+                half_warps=HALF_ONE_ROW_WARPS)
     return y
 
 
