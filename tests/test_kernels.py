@@ -558,9 +558,11 @@ def test_top_two_merges_any_two_lists():
 def _start_kernel(GROUP_MAX, OUT, WIDTH: tl.constexpr, ENTMAX15: tl.constexpr):
     group_max = tl.load(GROUP_MAX + tl.arange(0, WIDTH))[None, :]
     if ENTMAX15:
-        row_max, start = entmax_kernels._entmax_row_max_and_start(group_max, True)
+        row_max, start = kernels._row_max_and_start(group_max, True,
+                                                    entmax_kernels._entmax_top_two_start)
     else:
-        row_max, start = kernels._row_max_and_start(group_max, True)
+        row_max, start = kernels._row_max_and_start(group_max, True,
+                                                    kernels._sparsemax_top_two_start)
     tl.store(OUT + tl.arange(0, 1), row_max)
     tl.store(OUT + 1 + tl.arange(0, 1), start)
 

@@ -27,14 +27,14 @@ import triton.language as tl
 
 from .launch import LaunchCache, on_tensor_device
 from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, SPLIT_MANY_ROWS, STATE_MAX,
-                        STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, TOP_TWO_MARGIN,
-                        SplitBackward, SplitRows, _add_add, _candidate_values, _chunk_extent,
+                        STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
+                        SplitRows, TOP_TWO_MARGIN, _add_add, _candidate_values, _chunk_extent,
                         _compute_dtype, _entry_offsets, _group_max, _held_candidates, _is_bad,
-                        _load_raw_rows, _load_y_g, _map_rows, _next_power_of_2, _row_max,
-                        _row_max_and_second, _row_max_and_start, _row_partials, _rows,
-                        _split_gradient_chunk, _split_row_start, _split_y_g_chunk, _store_partials,
-                        _store_rows, _strided, _support_found, _tile_threshold, _wide, kept_launch,
-                        launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
+                        _load_raw_rows, _load_y_g, _map_rows, _next_power_of_2, _row_max_and_start,
+                        _row_partials, _rows, _sparsemax_top_two_start, _split_gradient_chunk,
+                        _split_row_start, _split_y_g_chunk, _store_partials, _store_rows, _strided,
+                        _support_found, _tile_threshold, _wide, kept_launch, launch_gradient_rows,
+                        launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -193,18 +193,14 @@ def _entmax_tile_threshold(z, GROUP: tl.constexpr, CONFIRM: tl.constexpr, start)
 
 
 @triton.jit
-def _entmax_row_max_and_start(group_max, SEARCHED: tl.constexpr):
-    """The max of each row's group maxima [BLOCK_M, WIDTH] and a lower bound on the tau of
-    their steps in z = (x - max) / 2, -1 unless SEARCHED: as sparsemax's `_row_max_and_start`,
-    the exact tau of the row's largest two, the root of t^2 + (z_2 - t)^2 = 1 below z_2,
-    (z_2 - sqrt(2 - z_2^2)) / 2 where z_2 > -1 (else the largest alone: -1), less a margin."""
-    if not SEARCHED:
-        row_max = _row_max(group_max)
-        return row_max, tl.full(row_max.shape, -1.0, row_max.dtype)
-    row_max, second = _row_max_and_second(group_max)
-    z2 = (second - row_max) * 0.5
+def _entmax_top_two_start(d2):
+    """`_row_max_and_start`'s start for entmax-1.5: with z_2 = d2 / 2 the second largest in
+    z = (x - max) / 2, the exact tau of the row's largest two, the root of t^2 + (z_2 - t)^2 = 1
+    below z_2, (z_2 - sqrt(2 - z_2^2)) / 2 where z_2 > -1 (else the largest alone: -1), less
+    TOP_TWO_MARGIN."""
+    z2 = d2 * 0.5
     two = (z2 - tl.sqrt(tl.maximum(2.0 - z2 * z2, 0.0))) * 0.5
-    return row_max, tl.where(z2 > -1.0, tl.maximum(two - TOP_TWO_MARGIN, -1.0), -1.0)
+    return tl.where(z2 > -1.0, tl.maximum(two - TOP_TWO_MARGIN, -1.0), -1.0)
 
 
 @triton.jit
@@ -219,7 +215,8 @@ def _entmax15_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     compute dtype (the same code whether the program holds the next tile, PREFETCHING, or
     not)."""
     x = _compute_dtype(x)
-    row_max, start = _entmax_row_max_and_start(_group_max(x), x.shape[0] == 1 and GROUP > 1)
+    row_max, start = _row_max_and_start(_group_max(x), x.shape[0] == 1 and GROUP > 1,
+                                        _entmax_top_two_start)
     z = (x - row_max[:, None, None]) * 0.5
     pivot, step, _ = _entmax_tile_threshold(z, GROUP, not PREFETCHING, start)
     return _entmax_tile(z, pivot, step, _is_bad(row_max))
@@ -488,7 +485,7 @@ def loss_kernel(
     # The entmax-1.5 loss starts from -1: from its rows' largest two it lost 3-9% in fp32 at
     # 16384 and 32768 classes for 1-3% on bf16 randn rows (NOTES, v57).
     row_max, start = _row_max_and_start(group_max, not ENTMAX15 and BLOCK_M == 1
-                                        and SEARCH_GROUP > 1)
+                                        and SEARCH_GROUP > 1, _sparsemax_top_two_start)
     bad = _is_bad(row_max)
     z = x - row_max[:, None, None]
     if ENTMAX15:

@@ -104,9 +104,8 @@ CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
 GROUPWISE_EXACT_FROM = tl.constexpr(4096)
 GROUPWISE_EXACT_TO = tl.constexpr(8192)
 # The group maxima's Newton steps start this far below the exact tau of a row's largest two
-# (`_row_max_and_start`, entmax's `_entmax_row_max_and_start`): at least 8 of its ulps (tau
-# lies in [-1, 0]), so that the start's rounding never puts it above the row's tau, from where
-# Newton could stop short of it.
+# (`_row_max_and_start`): at least 8 of its ulps (tau lies in [-1, 0]), so that the start's
+# rounding never puts it above the row's tau, from where Newton could stop short of it.
 TOP_TWO_MARGIN = tl.constexpr(2.0**-20)
 # A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
 # are ties with tau (`reference.EXACT_ZERO_BELOW`).
@@ -318,11 +317,12 @@ def _top_two(first_a, second_a, first_b, second_b):
 
 
 @triton.jit
-def _row_max_and_start(group_max, SEARCHED: tl.constexpr):
+def _row_max_and_start(group_max, SEARCHED: tl.constexpr, top_two_start: tl.constexpr):
     """The max of each row's group maxima [BLOCK_M, WIDTH] and a lower bound on the tau of
-    their Newton steps (`_tile_threshold`'s start), -1 unless SEARCHED (programs of one row
-    whose group maxima are searched first): the exact tau of the row's largest two,
-    (second - max - 1) / 2 in x - max, less a margin over its rounding, or -1.
+    their steps (`_tile_threshold`'s start), -1 unless SEARCHED (programs of one row whose
+    group maxima are searched first): top_two_start(second - max), the op's exact tau of the
+    row's largest two less a margin over its rounding (`_sparsemax_top_two_start`, entmax's
+    `_entmax_top_two_start`).
 
     The second rides along the max's own reduction. On randn rows it is worth ~1.8 of the
     group maxima's ~4 steps (a simulation, fp64, 400 rows, 2048-32768 entries); dense rows'
@@ -332,8 +332,14 @@ def _row_max_and_start(group_max, SEARCHED: tl.constexpr):
         row_max = _row_max(group_max)
         return row_max, tl.full(row_max.shape, -1.0, row_max.dtype)
     row_max, second = _row_max_and_second(group_max)
-    start = tl.maximum(((second - row_max) - 1.0) * 0.5 - TOP_TWO_MARGIN, -1.0)
-    return row_max, start
+    return row_max, top_two_start(second - row_max)
+
+
+@triton.jit
+def _sparsemax_top_two_start(d2):
+    """The exact tau in x - max of a row's largest two, d2 = second - max below the max:
+    (d2 - 1) / 2, or -1 (the max alone), less TOP_TWO_MARGIN."""
+    return tl.maximum((d2 - 1.0) * 0.5 - TOP_TWO_MARGIN, -1.0)
 
 
 @triton.jit
@@ -570,7 +576,8 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
                                and entries <= GROUPWISE_EXACT_TO)
     x = _compute_dtype(x)
     group_max = _group_max(x)
-    row_max, start = _row_max_and_start(group_max, x.shape[0] == 1 and GROUP > 1)
+    row_max, start = _row_max_and_start(group_max, x.shape[0] == 1 and GROUP > 1,
+                                        _sparsemax_top_two_start)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP, start)
     return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
