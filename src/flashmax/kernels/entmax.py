@@ -164,10 +164,10 @@ def _entmax_threshold(z, tau, centre, FEW: tl.constexpr = 0):
 
 
 @triton.jit
-def _entmax_tile_threshold(z, GROUP: tl.constexpr, CONFIRM: tl.constexpr, start):
+def _entmax_tile_threshold(z, group_z, GROUP: tl.constexpr, CONFIRM: tl.constexpr, start):
     """Exact threshold (pivot, step) and centre of each row of a [BLOCK_M, GROUP, WIDTH] tile of
-    z <= 0, starting from the exact tau of its group maxima (down axis 1, inside each thread),
-    found by Newton from lower bounds `start` [BLOCK_M] on it.
+    z <= 0, starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH] (down
+    axis 1, inside each thread), found by Newton from lower bounds `start` [BLOCK_M] on it.
 
     The row's first step is centred on the group maxima's count: at their tau their squares
     average 1 / that count, and so do the row's when its support is about theirs (few large
@@ -180,8 +180,7 @@ def _entmax_tile_threshold(z, GROUP: tl.constexpr, CONFIRM: tl.constexpr, start)
     tau = start
     centre = tl.zeros_like(tau)
     if GROUP > 1:
-        pivot, step, centre, size = _entmax_threshold(tl.expand_dims(tl.max(z, axis=1), 1), tau,
-                                                      centre)
+        pivot, step, centre, size = _entmax_threshold(tl.expand_dims(group_z, 1), tau, centre)
         if CONFIRM and z.shape[0] == 1:  # both constexpr
             if tl.min(_support_found(z, pivot, step, size).to(tl.int32), axis=0) == 0:
                 pivot, step, centre, _ = _entmax_threshold(z, pivot + step, centre)
@@ -215,10 +214,12 @@ def _entmax15_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     compute dtype (the same code whether the program holds the next tile, PREFETCHING, or
     not)."""
     x = _compute_dtype(x)
-    row_max, start = _row_max_and_start(_group_max(x), x.shape[0] == 1 and GROUP > 1,
+    group_max = _group_max(x)
+    row_max, start = _row_max_and_start(group_max, x.shape[0] == 1 and GROUP > 1,
                                         _entmax_top_two_start)
     z = (x - row_max[:, None, None]) * 0.5
-    pivot, step, _ = _entmax_tile_threshold(z, GROUP, not PREFETCHING, start)
+    pivot, step, _ = _entmax_tile_threshold(z, (group_max - row_max[:, None]) * 0.5, GROUP,
+                                            not PREFETCHING, start)
     return _entmax_tile(z, pivot, step, _is_bad(row_max))
 
 
@@ -490,7 +491,8 @@ def loss_kernel(
     z = x - row_max[:, None, None]
     if ENTMAX15:
         z = z * 0.5  # entmax-1.5's coordinates; one tile live, not two
-        pivot, step, _ = _entmax_tile_threshold(z, SEARCH_GROUP, True, start)
+        pivot, step, _ = _entmax_tile_threshold(z, (group_max - row_max[:, None]) * 0.5,
+                                                SEARCH_GROUP, True, start)
         t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
         p = t * t
     else:
