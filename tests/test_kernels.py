@@ -93,15 +93,16 @@ def test_forward_fp64():
 
 @pytest.mark.parametrize(
     "config",
-    [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"block_m": 4},
-     {"num_warps": 1}, {"num_warps": 2}, {"chunk": 256}, {"chunk": 128, "group": 1},
+    [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"group": 32, "block_m": 1},
+     {"block_m": 4}, {"num_warps": 1}, {"num_warps": 2}, {"chunk": 256},
+     {"chunk": 128, "group": 1},
      {"chunk": 128, "sparse_write": 1}, {"chunk": 128, "threshold_tile": 16},
      {"chunk": 64, "threshold_tile": 4}, {"programs_per_sm": 1},
      {"chunk": 128, "programs_per_sm": 0}, {"chunk": 256, "bound_groups": 0},
      {"chunk": 256, "bound_groups": 2}, {"chunk": 128, "early_zeros": 16},
      {"chunk": 128, "early_zeros": 0}],
-    ids=["no-groups", "four-groups", "groups-across-warps", "four-rows", "one-warp",
-         "two-warps", "split", "split-no-groups", "split-rereading-chunks",
+    ids=["no-groups", "four-groups", "groups-across-warps", "thirty-two-groups", "four-rows",
+         "one-warp", "two-warps", "split", "split-no-groups", "split-rereading-chunks",
          "split-row-tile-per-chunk", "split-row-tile-across-chunks", "prefetching",
          "split-chunk-a-program", "split-exact-bounds", "split-bounds-stopped-early",
          "split-early-zeros", "split-no-early-zeros"],
@@ -233,6 +234,17 @@ def test_launch_heuristic():
         launch = kernels.rows_launch(x.to(dtype), 64 * sms, 4096,
                                      half_warps=kernels.HALF_ONE_ROW_WARPS)
         assert launch.num_warps == want_warps, (dtype, launch)
+    # Its rows of 4096+ entries held one a program take the widest group whose chunks span the
+    # layout (one 16-byte vector a thread), up to 32; shorter rows and other kernels up to 8.
+    for dtype, n, want_group in [(torch.float32, 2048, 8), (torch.float32, 4096, 16),
+                                 (torch.float32, 8192, 16), (torch.float32, 16384, 32),
+                                 (torch.float32, 32768, 32), (torch.bfloat16, 4096, 4),
+                                 (torch.bfloat16, 8192, 8), (torch.bfloat16, 32768, 16)]:
+        launch = kernels.rows_launch(x.to(dtype), 64 * sms, n,
+                                     half_warps=kernels.HALF_ONE_ROW_WARPS,
+                                     wide_groups_from=kernels.WIDE_GROUPS_FROM)
+        assert launch.group == want_group, (dtype, n, launch)
+        assert kernels.rows_launch(x.to(dtype), 64 * sms, n).group <= kernels.GROUP_WIDEST
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -255,8 +255,9 @@ POISON = 12345.0
 
 
 @pytest.mark.parametrize("name", LOSSES)
-# fp32 rows: one thread each (1, 5, 16), eight threads each (200), one a program (300)
-@pytest.mark.parametrize("n", [1, 5, 16, 200, 300])
+# fp32 rows: one thread each (1, 5, 16), eight threads each (200), one a program (300), one a
+# program in groups spanning the layout (4096, sparsemax's: `WIDE_GROUPS_FROM`)
+@pytest.mark.parametrize("n", [1, 5, 16, 200, 300, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_fused_kernel(name, n, dtype):
     pytest.importorskip("triton")

@@ -28,7 +28,7 @@ import triton.language as tl
 from .launch import LaunchCache, on_tensor_device
 from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, SPLIT_MANY_ROWS, STATE_MAX,
                         STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
-                        SplitRows, TOP_TWO_MARGIN, _add_add, _candidate_values, _chunk_extent,
+                        SplitRows, TOP_TWO_MARGIN, WIDE_GROUPS_FROM, _add_add, _candidate_values, _chunk_extent,
                         _compute_dtype, _entry_offsets, _group_max, _held_candidates, _is_bad,
                         _load_raw_rows, _load_y_g, _map_rows, _next_power_of_2, _row_max_and_start,
                         _row_partials, _rows, _sparsemax_top_two_start, _split_gradient_chunk,
@@ -612,7 +612,8 @@ def loss(x: torch.Tensor, target: torch.Tensor, ignore_index: int, entmax15: boo
     x, _ = _strided(x, 1)
     align = row_align(x, n, (x.stride(0), 0, x.stride(1)), (n, 0, 1))
     launch = rows_launch(x, n_rows, n, num_warps, block_m, group=group, row_threads=row_threads,
-                         thread_entries=None if entmax15 else ROW_THREAD_ENTRIES, align=align)
+                         thread_entries=None if entmax15 else ROW_THREAD_ENTRIES, align=align,
+                         wide_groups_from=None if entmax15 else WIDE_GROUPS_FROM)
     loss_kernel[(launch.programs,)](
         x, target, grad_loss if backward else x, out, n_rows, n, x.stride(0), x.stride(1),
         ignore_index, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,

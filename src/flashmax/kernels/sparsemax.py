@@ -57,6 +57,17 @@ ONE_ROW_ENTRIES_PER_THREAD = 64
 # (NOTES, v58), bf16 randn rows 13% faster (72 registers a thread against 158), uniform rows 6%
 # slower; fp32 rows gained nothing and entmax-1.5's forward lost 10%, so they keep 2.
 HALF_ONE_ROW_WARPS = {4096: 4}
+# A row's group maxima lie inside each thread when its chunks (the row's GROUP parts) span the
+# layout: GROUP is the widest that does, up to GROUP_WIDEST. Sparsemax's forward and loss hold
+# rows of WIDE_GROUPS_FROM entries or more one a program with up to SPANNING_GROUP_WIDEST
+# (each thread's group maxima one vector: fp32 16 groups at 4096-8192 entries, 32 at
+# 16384-32768; bf16 16 at 16384-32768). Measured on an H200 (NOTES, v61): forward fp32
+# uniform rows 1.28/1.30/1.31/1.54 -> 1.24/1.24/1.19/1.50 x clone at 4096-32768, bf16 randn
+# 1.36/1.39 -> 1.30/1.35 and uniform 1.97/2.15 -> 1.82/1.96 at 16384/32768; at 2048 fp32
+# (one warp) 5-12% slower, so shorter rows keep 8. entmax-1.5 lost up to 10% in bf16 with it.
+GROUP_WIDEST = 8
+SPANNING_GROUP_WIDEST = 32
+WIDE_GROUPS_FROM = 4096
 # A forward spreads rows of up to 1 KB over few threads each (by the row's bytes: threads a row),
 # one warp a program (`_load_raw_rows`): a row's reductions are then mostly each thread's own
 # instructions, with few shuffles, and fewer threads repeat its Newton update. Longer rows take
@@ -1334,13 +1345,14 @@ def launch_config(n_rows: int, n: int, num_warps=None, block_m=None):
     return block_m, block_n, num_warps
 
 
-def group_size(block_n: int, itemsize: int, num_warps: int, group=None) -> int:
-    """Largest GROUP <= 8 whose chunks still span the layout's width (16-byte vectors per
+def group_size(block_n: int, itemsize: int, num_warps: int, group=None,
+               widest=GROUP_WIDEST) -> int:
+    """Largest GROUP <= widest whose chunks still span the layout's width (16-byte vectors per
     thread across all threads), so that group maxima stay inside each thread."""
     if group is not None:
         return group
     layout_width = 16 // itemsize * 32 * num_warps
-    return max(1, min(8, block_n // layout_width))
+    return max(1, min(widest, block_n // layout_width))
 
 
 def max_block_n(dtype: torch.dtype) -> int:
@@ -1516,7 +1528,8 @@ class RowsLaunch(NamedTuple):
 
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, group=None, row_threads=None,
-                thread_entries=ROW_THREAD_ENTRIES, align=None, half_warps=None) -> RowsLaunch:
+                thread_entries=ROW_THREAD_ENTRIES, align=None, half_warps=None,
+                wide_groups_from=None) -> RowsLaunch:
     """The launch of a `_map_rows` kernel over rows of x.
     programs_per_sm: None for the heuristic (one row a program, prefetching, for widths from
     prefetch_rows[0] to prefetch_rows[1]; None: never), 0 for one program per block, else that
@@ -1527,7 +1540,9 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
     rows one a program); then ROW_THREADS_WARPS warps and a row a thread-group by default.
     Chunks of one access: Triton lays a load's threads along the entries one access covers,
     so wider chunks would spread a row over more threads than row_threads.
-    half_warps: {row width: warps} for 2-byte rows held one a program, over the default's."""
+    half_warps: {row width: warps} for 2-byte rows held one a program, over the default's;
+    wide_groups_from: rows of at least this many entries held one a program take groups up to
+    SPANNING_GROUP_WIDEST (None: never)."""
     block_n = _next_power_of_2(n)
     chunk = min(block_n, align or 16 // x.element_size())
     if row_threads is None and block_m is None and group is None:
@@ -1558,7 +1573,15 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
     blocks = -(-n_rows // block_m)
     programs = walking_programs(blocks, programs_per_sm, x.device)
     return RowsLaunch(programs, block_m, block_n, num_warps, programs < blocks,
-                      group_size(block_n, x.element_size(), num_warps, group), False)
+                      group_size(block_n, x.element_size(), num_warps, group,
+                                 wide_groups(block_m, block_n, wide_groups_from)), False)
+
+
+def wide_groups(block_m: int, block_n: int, wide_groups_from) -> int:
+    """`group_size`'s widest for `rows_launch`'s tiles (wide_groups_from as there)."""
+    if block_m == 1 and wide_groups_from is not None and block_n >= wide_groups_from:
+        return SPANNING_GROUP_WIDEST
+    return GROUP_WIDEST
 
 
 def adjacent_rows(n_rows: int, inner: int, *strides):
@@ -1610,7 +1633,8 @@ def adjacent_rows_launch(x, n_rows: int, n: int, inner: int, strides,
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES,
-                adjacent_values=ADJACENT_THREAD_VALUES, half_warps=None):
+                adjacent_values=ADJACENT_THREAD_VALUES, half_warps=None,
+                wide_groups_from=None):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices (or, for rows
     adjacent in memory and none of rows_launch's overrides, `adjacent_launch`'s with
     adjacent_values), kept under key."""
@@ -1621,7 +1645,8 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
                                         adjacent_values)
     if adjacent is None:
         launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
-                             group, row_threads, thread_entries, align, half_warps)
+                             group, row_threads, thread_entries, align, half_warps,
+                             wide_groups_from)
     else:
         launch, inner, (x_strides, y_strides) = adjacent
     launches.launch(key, (launch.programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides),
@@ -1697,7 +1722,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
                 x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
                 row_threads=row_threads,
                 adjacent_values=adjacent_values or ADJACENT_THREAD_VALUES,
-                half_warps=HALF_ONE_ROW_WARPS)
+                half_warps=HALF_ONE_ROW_WARPS, wide_groups_from=WIDE_GROUPS_FROM)
     return y
 
 
