@@ -86,8 +86,9 @@ def test_forward_half_is_fp32_rounded_once(dtype, chunk, n):
     assert torch.allclose(got.float(), want.float(), rtol=ulp, atol=ulp * 1e-3)
 
 
-def test_forward_fp64():
-    x = make("randn", ROWS, 1000, torch.float64, seed=2)
+@pytest.mark.parametrize("n", [1000, 4096])  # 4096: one a program, 32 groups (`widest_group`)
+def test_forward_fp64(n):
+    x = make("randn", ROWS, n, torch.float64, seed=2)
     assert_close_to_oracle(forward(x).cpu(), x.cpu(), -1, rtol=1e-12)
 
 
@@ -95,8 +96,8 @@ def test_forward_fp64():
     "config",
     [{"group": 1}, {"group": 4}, {"group": 8, "num_warps": 4}, {"group": 32, "block_m": 1},
      {"block_m": 4}, {"num_warps": 1}, {"num_warps": 2}, {"chunk": 256},
-     {"chunk": 128, "group": 1},
-     {"chunk": 128, "sparse_write": 1}, {"chunk": 128, "threshold_tile": 16},
+     {"chunk": 128, "group": 1}, {"chunk": 128, "sparse_write": 1},
+     {"chunk": 128, "threshold_tile": 16},
      {"chunk": 64, "threshold_tile": 4}, {"programs_per_sm": 1},
      {"chunk": 128, "programs_per_sm": 0}, {"chunk": 256, "bound_groups": 0},
      {"chunk": 256, "bound_groups": 2}, {"chunk": 128, "early_zeros": 16},

@@ -28,13 +28,13 @@ import triton.language as tl
 from .launch import LaunchCache, on_tensor_device
 from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, SPLIT_MANY_ROWS, STATE_MAX,
                         STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
-                        SplitRows, TOP_TWO_MARGIN, WIDE_GROUPS_FROM, _add_add, _candidate_values, _chunk_extent,
-                        _compute_dtype, _entry_offsets, _group_max, _held_candidates, _is_bad,
-                        _load_raw_rows, _load_y_g, _map_rows, _next_power_of_2, _row_max_and_start,
-                        _row_partials, _rows, _sparsemax_top_two_start, _split_gradient_chunk,
-                        _split_row_start, _split_y_g_chunk, _store_partials, _store_rows, _strided,
-                        _support_found, _tile_threshold, _wide, kept_launch, launch_gradient_rows,
-                        launch_rows, max_block_n, row_align, rows_launch)
+                        SplitRows, TOP_TWO_MARGIN, WIDE_GROUPS_FROM, _add_add, _candidate_values,
+                        _chunk_extent, _compute_dtype, _entry_offsets, _group_max, _held_candidates,
+                        _is_bad, _load_raw_rows, _load_y_g, _map_rows, _next_power_of_2,
+                        _row_max_and_start, _row_partials, _rows, _sparsemax_top_two_start,
+                        _split_gradient_chunk, _split_row_start, _split_y_g_chunk, _store_partials,
+                        _store_rows, _strided, _support_found, _tile_threshold, _wide, kept_launch,
+                        launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and

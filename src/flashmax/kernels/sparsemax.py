@@ -1574,10 +1574,10 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
     programs = walking_programs(blocks, programs_per_sm, x.device)
     return RowsLaunch(programs, block_m, block_n, num_warps, programs < blocks,
                       group_size(block_n, x.element_size(), num_warps, group,
-                                 wide_groups(block_m, block_n, wide_groups_from)), False)
+                                 widest_group(block_m, block_n, wide_groups_from)), False)
 
 
-def wide_groups(block_m: int, block_n: int, wide_groups_from) -> int:
+def widest_group(block_m: int, block_n: int, wide_groups_from) -> int:
     """`group_size`'s widest for `rows_launch`'s tiles (wide_groups_from as there)."""
     if block_m == 1 and wide_groups_from is not None and block_n >= wide_groups_from:
         return SPANNING_GROUP_WIDEST
