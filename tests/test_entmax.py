@@ -290,7 +290,7 @@ def test_property_reference_fp64(n, seed):
 
 POISON = 12345.0
 ROWS = 64 if ON_GPU else 5
-KERNEL_WIDTHS = ([1, 3, 16, 100, 1000, 4096, 32768, 100000] if ON_GPU
+KERNEL_WIDTHS = ([1, 3, 16, 100, 1000, 4096, 16384, 32768, 100000] if ON_GPU
                  else [1, 3, 16, 100, 1000])  # 16: one thread a row
 
 
@@ -321,13 +321,14 @@ def test_kernel_forward_matches_oracle(kernels, n, kind, scale, offset):
     assert torch.equal(x, x0)
 
 
-@pytest.mark.parametrize("config", [{"group": 1}, {"group": 4}, {"block_m": 4}, {"chunk": 64},
+@pytest.mark.parametrize("config", [{"group": 1}, {"group": 4}, {"group": 32}, {"block_m": 4},
+                                    {"chunk": 64},
                                     {"chunk": 32, "group": 1}, {"chunk": 64, "threshold_tile": 32},
                                     {"programs_per_sm": 1}, {"programs_per_sm": 1, "block_m": 4},
                                     {"chunk": 64, "bound_groups": 2}, {"chunk": 64, "bound_groups": 0},
                                     {"chunk": 64, "early_zeros": 16}, {"chunk": 64, "early_zeros": 0}],
-                         ids=["no-groups", "four-groups", "four-rows", "split", "split-no-groups",
-                              "split-pieces", "prefetching", "prefetching-four-rows",
+                         ids=["no-groups", "four-groups", "thirty-two-groups", "four-rows", "split",
+                              "split-no-groups", "split-pieces", "prefetching", "prefetching-four-rows",
                               "split-bounds-stopped-early", "split-exact-bounds",
                               "split-early-zeros", "split-no-early-zeros"])
 def test_kernel_every_launch_path(kernels, config):
@@ -338,6 +339,21 @@ def test_kernel_every_launch_path(kernels, config):
                            if ON_GPU else 0)
     x = make_input((rows, 200), -1, torch.float32, seed=10, kind="near_max").to(DEVICE)
     check_against_oracle(kernel_forward(kernels, x, **config), x, -1)
+
+
+def test_kernel_launch_groups(kernels, monkeypatch):
+    # fp32 rows of 16384+ entries held one a program take the groups spanning the layout (32);
+    # shorter rows, 2-byte and fp64 rows at most 8 (`WIDE_GROUPS_FROM_BY_SIZE`). Nothing runs:
+    # the launch is recorded (`out=` keeps no launch to replay).
+    launched = []
+    monkeypatch.setattr(kernels.FORWARD_LAUNCHES, "launch",
+                        lambda key, grid, tensors, scalars, options: launched.append(options))
+    for dtype, n, want_group in [(torch.float32, 8192, 8), (torch.float32, 16384, 32),
+                                 (torch.float32, 32768, 32), (torch.bfloat16, 16384, 8),
+                                 (torch.bfloat16, 32768, 8), (torch.float64, 16384, 8)]:
+        x = torch.randn(2, n, dtype=dtype, device=DEVICE)
+        kernels.entmax15_forward(x, 1, out=torch.empty_like(x))
+        assert launched[-1]["GROUP"] == want_group, (dtype, n, launched[-1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])

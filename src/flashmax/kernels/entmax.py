@@ -41,6 +41,12 @@ from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, SPLIT_MANY_ROW
 # 8192 one row a program without prefetching is 4-16% faster (with the group maxima's count,
 # which prefetching programs skip: `_entmax_tile_threshold`).
 PREFETCH_ROWS = (1024, 2048)
+# Rows of at least this many entries, by entry size, held one a program take sparsemax's
+# spanning groups (`rows_launch`'s wide_groups_from: 32 in fp32). H200 (NOTES, v62): fp32
+# 16384 uniform and randn x 0.01 rows 7-9% faster, randn 2-3% slower; 32768 2-4% faster on every
+# distribution. 2-byte rows (16 spanning groups) lost 7-8% on uniform rows, gained 6% at 32768
+# randn.
+WIDE_GROUPS_FROM_BY_SIZE = {4: 16384}
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
 # A closed form is final only from sums that drifted little: |sum(d^2 - centre)| sqrt(count) at
@@ -566,7 +572,8 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
         return y
     launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
                 x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
-                prefetch_rows=PREFETCH_ROWS, row_threads=row_threads, thread_entries=None)
+                prefetch_rows=PREFETCH_ROWS, row_threads=row_threads, thread_entries=None,
+                wide_groups_from=WIDE_GROUPS_FROM_BY_SIZE.get(x.element_size()))
     return y
 
 
