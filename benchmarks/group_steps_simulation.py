@@ -1,7 +1,7 @@
 """How many Newton steps the whole-row forward's group maxima phase takes from a given start:
 a CPU simulation in fp64 (the prediction behind NOTES v54 and v55).
 
-    python benchmarks/group_steps_simulation.py [--rows 300] [--groups]
+    python benchmarks/group_steps_simulation.py [--rows 300] [--groups | --short]
 
 For each width (and the GROUP its one-row launch uses in bf16), rows of randn, uniform and
 randn x 0.01 values: the group maxima (the max down each of GROUP strided slices, as the
@@ -14,6 +14,9 @@ GROUP 8 and at the widest group that spans the layout: the group steps from the 
 tau, the count that confirms their support (when at most sqrt(WIDTH) group maxima are in it),
 and the full-row steps otherwise; and the values each thread goes over, in entries (a group
 step over its group maxima, a count or a full step over its share of the row).
+
+With --short (NOTES v63), short rows (8-1000 entries, many a tile), whose steps go over the
+whole row (GROUP 1): from -1 and from the top two's tau.
 """
 
 import argparse
@@ -97,13 +100,18 @@ def main():
     parser.add_argument("--rows", type=int, default=300)
     parser.add_argument("--groups", action="store_true",
                         help="GROUP 8 against the widest spanning group (NOTES v61)")
+    parser.add_argument("--short", action="store_true",
+                        help="short rows' steps over the whole row (NOTES v63)")
     args = parser.parse_args()
     if args.groups:
         compare_groups(args.rows)
         return
     g = torch.Generator().manual_seed(0)
-    starts = (1, 2, 3, 4, 8)
-    for n, group in [(1024, 2), (2048, 4), (4096, 8), (8192, 8), (16384, 8), (32768, 8)]:
+    starts = (1, 2) if args.short else (1, 2, 3, 4, 8)
+    widths = [(1024, 2), (2048, 4), (4096, 8), (8192, 8), (16384, 8), (32768, 8)]
+    if args.short:
+        widths = [(n, 1) for n in (8, 16, 64, 256, 512, 1000)]
+    for n, group in widths:
         for dist in ("randn", "rand", "randn0.01"):
             totals = dict.fromkeys(starts, 0)
             for _ in range(args.rows):

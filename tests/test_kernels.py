@@ -74,8 +74,9 @@ def test_forward_fp32_matches_oracle(dist, n):
                                                           device=x.device), atol=1e-5)
 
 
-# Rows over 16 threads each, one a program, and one a program over HALF_ONE_ROW_WARPS' warps.
-@pytest.mark.parametrize("n", [300, 1000, 4096])
+# Rows in one thread (16), over 2 and 16 threads each (64, 300; these three many a tile,
+# starting from their largest two), one a program, and one a program over HALF_ONE_ROW_WARPS'.
+@pytest.mark.parametrize("n", [16, 64, 300, 1000, 4096])
 @pytest.mark.parametrize("chunk", [None, 128], ids=["in-registers", "split"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_forward_half_is_fp32_rounded_once(dtype, chunk, n):

@@ -328,18 +328,19 @@ def _top_two(first_a, second_a, first_b, second_b):
 
 
 @triton.jit
-def _row_max_and_start(group_max, SEARCHED: tl.constexpr, top_two_start: tl.constexpr):
+def _row_max_and_start(group_max, TOP_TWO: tl.constexpr, top_two_start: tl.constexpr):
     """The max of each row's group maxima [BLOCK_M, WIDTH] and a lower bound on the tau of
-    their steps (`_tile_threshold`'s start), -1 unless SEARCHED (programs of one row whose
-    group maxima are searched first): top_two_start(second - max), the op's exact tau of the
-    row's largest two less a margin over its rounding (`_sparsemax_top_two_start`, entmax's
-    `_entmax_top_two_start`).
+    their steps (`_tile_threshold`'s start), -1 unless TOP_TWO (programs of one row whose
+    group maxima are searched first; sparsemax's tiles of 2-byte rows): top_two_start(second -
+    max), the op's exact tau of the row's largest two less a margin over its rounding
+    (`_sparsemax_top_two_start`, entmax's `_entmax_top_two_start`).
 
     The second rides along the max's own reduction. On randn rows it is worth ~1.8 of the
     group maxima's ~4 steps (a simulation, fp64, 400 rows, 2048-32768 entries); dense rows'
     many group maxima near the max leave theirs (5-8) unchanged (NOTES, v54). Starts from
-    their largest four (1.1-1.3 steps left in the simulation) measured no faster (NOTES, v55)."""
-    if not SEARCHED:
+    their largest four (1.1-1.3 steps left in the simulation) measured no faster (NOTES, v55).
+    Short randn rows' full-row steps fall alike (16-1000 entries: 1.8-3.2 -> 1.2-1.8)."""
+    if not TOP_TWO:
         row_max = _row_max(group_max)
         return row_max, tl.full(row_max.shape, -1.0, row_max.dtype)
     row_max, second = _row_max_and_second(group_max)
@@ -585,10 +586,12 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     entries: tl.constexpr = x.shape[0] * x.shape[1] * x.shape[2]
     groupwise: tl.constexpr = (x.dtype == tl.float32 and GROUPWISE_EXACT_FROM <= entries
                                and entries <= GROUPWISE_EXACT_TO)
+    # Tiles of several 2-byte rows start from their largest two too (v63: 16-512 bf16 entries
+    # 6-14% faster on randn rows, fp32's no faster).
+    top_two: tl.constexpr = (x.shape[0] == 1 and GROUP > 1) or x.dtype.primitive_bitwidth == 16
     x = _compute_dtype(x)
     group_max = _group_max(x)
-    row_max, start = _row_max_and_start(group_max, x.shape[0] == 1 and GROUP > 1,
-                                        _sparsemax_top_two_start)
+    row_max, start = _row_max_and_start(group_max, top_two, _sparsemax_top_two_start)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP, start)
     return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
