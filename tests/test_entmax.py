@@ -322,8 +322,8 @@ def test_kernel_forward_matches_oracle(kernels, n, kind, scale, offset):
 
 
 @pytest.mark.parametrize("config", [{"group": 1}, {"group": 4}, {"group": 32}, {"block_m": 4},
-                                    {"chunk": 64},
-                                    {"chunk": 32, "group": 1}, {"chunk": 64, "threshold_tile": 32},
+                                    {"chunk": 64}, {"chunk": 32, "group": 1},
+                                    {"chunk": 64, "threshold_tile": 32},
                                     {"programs_per_sm": 1}, {"programs_per_sm": 1, "block_m": 4},
                                     {"chunk": 64, "bound_groups": 2}, {"chunk": 64, "bound_groups": 0},
                                     {"chunk": 64, "early_zeros": 16}, {"chunk": 64, "early_zeros": 0}],

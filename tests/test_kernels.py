@@ -441,6 +441,26 @@ def test_bad_rows_are_nan_and_leave_others_alone(config):
     assert torch.equal(y[4:], forward(x[4:].clone(), **config))
 
 
+@pytest.mark.parametrize("n", [16, 40])  # one thread a row; several threads a row
+def test_bad_half_rows_in_a_short_tile(n):
+    # Tiles of short 2-byte rows start from each row's largest two: a NaN, +inf or all -inf
+    # row is NaN, and masked entries are 0, whatever that start makes of them.
+    x = make("randn", 6, n, torch.bfloat16, seed=9)
+    x[0, 3] = torch.nan
+    x[1, 5] = torch.inf
+    x[2] = -torch.inf
+    x[3, :n - 1] = -torch.inf  # one finite entry: it takes all the mass
+    x[4, ::2] = -torch.inf
+    y = forward(x)
+    assert torch.isnan(y[:3]).all()
+    assert not torch.isnan(y[3:]).any()
+    assert y[3, -1] == 1 and (y[3, :-1] == 0).all()
+    assert (y[4, ::2] == 0).all()
+    want = oracle(x[3:].float().cpu()).to(torch.bfloat16)
+    ulp = torch.finfo(torch.bfloat16).eps
+    assert torch.allclose(y[3:].cpu().float(), want.float(), rtol=ulp, atol=ulp * 1e-3)
+
+
 def test_deterministic():
     x = make("rand", ROWS, 4096, seed=8)
     assert torch.equal(forward(x), forward(x))

@@ -339,7 +339,8 @@ def _row_max_and_start(group_max, TOP_TWO: tl.constexpr, top_two_start: tl.const
     group maxima's ~4 steps (a simulation, fp64, 400 rows, 2048-32768 entries); dense rows'
     many group maxima near the max leave theirs (5-8) unchanged (NOTES, v54). Starts from
     their largest four (1.1-1.3 steps left in the simulation) measured no faster (NOTES, v55).
-    Short randn rows' full-row steps fall alike (16-1000 entries: 1.8-3.2 -> 1.2-1.8)."""
+    Short randn rows' full-row steps fall alike (16-1000 entries: 1.8-3.2 -> 1.2-1.8 in the
+    simulation; NOTES, v63)."""
     if not TOP_TWO:
         row_max = _row_max(group_max)
         return row_max, tl.full(row_max.shape, -1.0, row_max.dtype)
