@@ -146,7 +146,7 @@ def main():
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(text)
     ops = collections.Counter(
-        match.group(1) for match in re.finditer(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?"
+        match.group(1) for match in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?"
                                                 r"([A-Z0-9]+)", sass, flags=re.M))
     print(f"{args.kernel} {args.dtype} warps={args.warps} "
           f"{' '.join(f'{k}={v}' for k, v in consts.items())}")
