@@ -29,11 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from kernel_variants import cold_inputs, gpu_time_us, make  # noqa: E402
 
 import flashmax  # noqa: E402
-
-
-@triton.jit
-def _add_add(a, b, c, d):
-    return a + c, b + d
+from flashmax.kernels.sparsemax import _add_add  # noqa: E402
 
 
 @triton.jit

@@ -327,10 +327,10 @@ def test_kernel_forward_matches_oracle(kernels, n, kind, scale, offset):
                                     {"programs_per_sm": 1}, {"programs_per_sm": 1, "block_m": 4},
                                     {"chunk": 64, "bound_groups": 2}, {"chunk": 64, "bound_groups": 0},
                                     {"chunk": 64, "early_zeros": 16}, {"chunk": 64, "early_zeros": 0}],
-                         ids=["no-groups", "four-groups", "thirty-two-groups", "four-rows", "split",
-                              "split-no-groups", "split-pieces", "prefetching", "prefetching-four-rows",
-                              "split-bounds-stopped-early", "split-exact-bounds",
-                              "split-early-zeros", "split-no-early-zeros"])
+                         ids=["no-groups", "four-groups", "thirty-two-groups", "four-rows",
+                              "split", "split-no-groups", "split-pieces", "prefetching",
+                              "prefetching-four-rows", "split-bounds-stopped-early",
+                              "split-exact-bounds", "split-early-zeros", "split-no-early-zeros"])
 def test_kernel_every_launch_path(kernels, config):
     # split-pieces: the row pass reads chunks that stored no candidates (nearly tied rows) in
     # pieces smaller than a chunk.

@@ -64,7 +64,8 @@ HALF_ONE_ROW_WARPS = {4096: 4}
 # 16384-32768; bf16 16 at 16384-32768). Measured on an H200 (NOTES, v61): forward fp32
 # uniform rows 1.28/1.30/1.31/1.54 -> 1.24/1.24/1.19/1.50 x clone at 4096-32768, bf16 randn
 # 1.36/1.39 -> 1.30/1.35 and uniform 1.97/2.15 -> 1.82/1.96 at 16384/32768; at 2048 fp32
-# (one warp) 5-12% slower, so shorter rows keep 8. entmax-1.5 lost up to 8% in bf16 with it.
+# (one warp) 5-12% slower, so shorter rows keep 8. entmax-1.5's forward takes it for fp32
+# rows of 16384+ entries only (its `WIDE_GROUPS_FROM_BY_SIZE`, v62): bf16 lost up to 8%.
 GROUP_WIDEST = 8
 SPANNING_GROUP_WIDEST = 32
 WIDE_GROUPS_FROM = 4096
