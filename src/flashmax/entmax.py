@@ -7,10 +7,10 @@ torch.compile sees the custom op.
 """
 
 import torch
-from torch import nn
 
 from . import reference_entmax as reference
-from .sparsemax import check_input, compute_dtype, eager_function, register_output_autograd
+from .sparsemax import (RowwiseModule, call_rowwise, eager_function, on_rows,
+                        register_output_autograd)
 
 from .kernels import load as load_kernels
 
@@ -19,17 +19,6 @@ kernels = load_kernels("entmax")
 
 def uses_kernels(x: torch.Tensor) -> bool:
     return kernels is not None and x.is_cuda
-
-
-def on_rows(fn, dim: int, *tensors: torch.Tensor) -> torch.Tensor:
-    """fn over the last dim of the tensors moved there (views) in their compute dtype; the
-    result back in the first tensor's dtype and layout, contiguous."""
-    first = tensors[0]
-    if not first.numel():
-        return first.new_empty(first.shape)
-    ctype = compute_dtype(first.dtype)
-    result = fn(*(t.movedim(dim, -1).to(ctype) for t in tensors))
-    return result.to(first.dtype).movedim(-1, dim).contiguous()
 
 
 @torch.library.custom_op("flashmax::entmax15", mutates_args=())
@@ -102,26 +91,11 @@ def entmax15(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Ten
         from .distributed import sharded_entmax15  # imports this module
 
         return sharded_entmax15(x, dim, group)
-    dim = check_input(x, dim, "entmax15")
-    if x.dim() == 0:
-        return _entmax15_op(x.reshape(1), 0).reshape(())
-    if uses_kernels(x) and not torch.compiler.is_compiling():
-        if x.requires_grad and torch.is_grad_enabled():
-            return _EagerEntmax15.apply(x, dim)
-        return kernels.entmax15_forward(x, dim)  # nothing to record: the launch alone
-    return _entmax15_op(x, dim)
+    return call_rowwise(x, dim, "entmax15", _entmax15_op, _EagerEntmax15,
+                        kernels and kernels.entmax15_forward)
 
 
-class Entmax15(nn.Module):
+class Entmax15(RowwiseModule):
     """Module form of `flashmax.entmax15` (as `entmax.Entmax15(dim=-1, k=None)`)."""
 
-    def __init__(self, dim: int = -1, k=None):
-        super().__init__()
-        self.dim = dim
-        self.k = k
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return entmax15(x, self.dim)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}"
+    function = staticmethod(entmax15)

@@ -50,14 +50,22 @@ def check_input(x: torch.Tensor, dim: int, name: str = "sparsemax") -> int:
     return dim % ndim
 
 
+def on_rows(fn, dim: int, *tensors: torch.Tensor) -> torch.Tensor:
+    """fn over the last dim of the tensors moved there (views) in their compute dtype; the
+    result back in the first tensor's dtype and layout, contiguous."""
+    first = tensors[0]
+    if not first.numel():
+        return first.new_empty(first.shape)
+    ctype = compute_dtype(first.dtype)
+    result = fn(*(t.movedim(dim, -1).to(ctype) for t in tensors))
+    return result.to(first.dtype).movedim(-1, dim).contiguous()
+
+
 @torch.library.custom_op("flashmax::sparsemax", mutates_args=())
 def _sparsemax_op(x: torch.Tensor, dim: int) -> torch.Tensor:
     if uses_kernels(x):
         return kernels.sparsemax_forward(x, dim)
-    if not x.numel():
-        return x.new_empty(x.shape)
-    y_rows = reference.sparsemax_forward(x.movedim(dim, -1).to(compute_dtype(x.dtype)))
-    return y_rows.to(x.dtype).movedim(-1, dim).contiguous()
+    return on_rows(reference.sparsemax_forward, dim, x)
 
 
 @_sparsemax_op.register_fake
@@ -69,12 +77,7 @@ def _(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _sparsemax_backward_op(y: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
     if uses_kernels(y):
         return kernels.sparsemax_backward(y, grad, dim)
-    if not y.numel():
-        return y.new_empty(y.shape)
-    ctype = compute_dtype(y.dtype)
-    y_rows, g_rows = (t.movedim(dim, -1).to(ctype) for t in (y, grad))
-    dx_rows = reference.sparsemax_backward(y_rows, g_rows)
-    return dx_rows.to(y.dtype).movedim(-1, dim).contiguous()
+    return on_rows(reference.sparsemax_backward, dim, y, grad)
 
 
 @_sparsemax_backward_op.register_fake
@@ -140,6 +143,21 @@ _EagerSparsemax = None if kernels is None else eager_function(
     _sparsemax_backward_op)
 
 
+def call_rowwise(x: torch.Tensor, dim: int, name: str, op, eager, forward) -> torch.Tensor:
+    """The public call of a row-wise op (x, dim) -> y after its arguments are checked: eager
+    calls on CUDA through the autograd.Function `eager`, or the forward launcher alone when
+    autograd has nothing to record; every other call (other devices, torch.compile) through
+    the custom op `op`. eager is None where the kernels are missing."""
+    dim = check_input(x, dim, name)
+    if x.dim() == 0:
+        return op(x.reshape(1), 0).reshape(())
+    if eager is not None and x.is_cuda and not torch.compiler.is_compiling():
+        if x.requires_grad and torch.is_grad_enabled():
+            return eager.apply(x, dim)
+        return forward(x, dim)  # nothing to record: the launch alone
+    return op(x, dim)
+
+
 def sparsemax(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Tensor:
     """Sparsemax of x along dim: the Euclidean projection of each slice onto the simplex.
 
@@ -153,18 +171,15 @@ def sparsemax(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Te
         from .distributed import sharded_sparsemax  # imports this module
 
         return sharded_sparsemax(x, dim, group)
-    dim = check_input(x, dim)
-    if x.dim() == 0:
-        return _sparsemax_op(x.reshape(1), 0).reshape(())
-    if uses_kernels(x) and not torch.compiler.is_compiling():
-        if x.requires_grad and torch.is_grad_enabled():
-            return _EagerSparsemax.apply(x, dim)
-        return kernels.sparsemax_forward(x, dim)  # nothing to record: the launch alone
-    return _sparsemax_op(x, dim)
+    return call_rowwise(x, dim, "sparsemax", _sparsemax_op, _EagerSparsemax,
+                        kernels and kernels.sparsemax_forward)
 
 
-class Sparsemax(nn.Module):
-    """Module form of `flashmax.sparsemax` (as `entmax.Sparsemax(dim=-1, k=None)`)."""
+class RowwiseModule(nn.Module):
+    """Module form of a row-wise function `function(x, dim)`, with the entmax package's
+    constructor (dim=-1, k=None; k is accepted and ignored)."""
+
+    function = None
 
     def __init__(self, dim: int = -1, k=None):
         super().__init__()
@@ -172,7 +187,13 @@ class Sparsemax(nn.Module):
         self.k = k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparsemax(x, self.dim)
+        return self.function(x, self.dim)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
+
+
+class Sparsemax(RowwiseModule):
+    """Module form of `flashmax.sparsemax` (as `entmax.Sparsemax(dim=-1, k=None)`)."""
+
+    function = staticmethod(sparsemax)

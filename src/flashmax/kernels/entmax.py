@@ -21,6 +21,8 @@ the threshold in registers rather than storing p (the same memory traffic as sto
 no state to keep).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -31,10 +33,10 @@ from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, SPLIT_MANY_ROW
                         SplitRows, TOP_TWO_MARGIN, WIDE_GROUPS_FROM, _add_add, _candidate_values,
                         _chunk_extent, _compute_dtype, _entry_offsets, _group_max, _held_candidates,
                         _is_bad, _load_raw_rows, _load_y_g, _map_rows, _next_power_of_2,
-                        _row_max_and_start, _row_partials, _rows, _sparsemax_top_two_start,
+                        _row_max_and_start, _row_partials, _sparsemax_top_two_start,
                         _split_gradient_chunk, _split_row_start, _split_y_g_chunk, _store_partials,
                         _store_rows, _strided, _support_found, _tile_threshold, _wide, kept_launch,
-                        launch_gradient_rows, launch_rows, max_block_n, row_align, rows_launch)
+                        launch_backward, launch_forward, max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -558,39 +560,23 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
-    if x.numel() == 0:
-        return x.new_empty(x.shape) if out is None else out
-    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
-    wide = _wide(n, x_strides[2], y_strides[2])
-    if n > chunk:
-        split = Entmax15SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide,
-                                  group, num_warps, threshold_tile=threshold_tile,
-                                  programs_per_sm=programs_per_sm, bound_groups=bound_groups,
-                                  early_zeros=early_zeros, share_steps=share_steps)
-        split.bounds()
-        split.write(split.threshold())
-        return y
-    launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
-                x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
-                prefetch_rows=PREFETCH_ROWS, row_threads=row_threads, thread_entries=None,
-                wide_groups_from=WIDE_GROUPS_FROM_BY_SIZE.get(x.element_size()))
-    return y
+    split_rows = functools.partial(
+        Entmax15SplitRows, group=group, num_warps=num_warps, threshold_tile=threshold_tile,
+        programs_per_sm=programs_per_sm, bound_groups=bound_groups, early_zeros=early_zeros,
+        share_steps=share_steps)
+    return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
+                          num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
+                          prefetch_rows=PREFETCH_ROWS, row_threads=row_threads,
+                          thread_entries=None,
+                          wide_groups_from=WIDE_GROUPS_FROM_BY_SIZE.get(x.element_size()))
 
 
 @on_tensor_device
 def entmax15_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
                       block_m=None, chunk=None) -> torch.Tensor:
     """Launch the backward kernel into `out`, as `entmax15_forward` does."""
-    defaults = out is None and num_warps is None and block_m is None and chunk is None
-    out, key, replayed = kept_launch(BACKWARD_LAUNCHES, defaults, dim, out, y, grad)
-    if replayed:
-        return out
-    if y.numel() == 0:
-        return y.new_empty(y.shape) if out is None else out
-    if y.shape[dim] > (max_block_n(y.dtype) if chunk is None else chunk):
-        split = Entmax15SplitBackward(y, grad, dim, out, chunk, num_warps)
-        return split.write(split.sums(), split.n_splits)
-    return launch_gradient_rows(BACKWARD_LAUNCHES, key, y, grad, dim, out, num_warps, block_m)
+    return launch_backward(BACKWARD_LAUNCHES, Entmax15SplitBackward, y, grad, dim, out,
+                           num_warps, block_m, chunk)
 
 
 def loss_fits(n: int, dtype: torch.dtype, chunk=None) -> bool:

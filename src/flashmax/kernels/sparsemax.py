@@ -1687,6 +1687,26 @@ def kept_launch(launches: LaunchCache, defaults: bool, dim: int, out, *tensors):
     return out, key, launches.replay(key, *tensors, out)
 
 
+def launch_forward(launches: LaunchCache, key, x, dim, out, chunk, split_rows,
+                   **row_launch) -> torch.Tensor:
+    """A forward launcher's work once `kept_launch` has not replayed it: rows longer than chunk
+    (None: the dtype's MAX_BLOCK_N) in the three passes of split_rows(rows, y, n_rows, n, inner,
+    x_strides, y_strides, chunk, wide) (a `SplitRows`), shorter ones by `launch_rows` with
+    row_launch's options, kept under key."""
+    if x.numel() == 0:
+        return x.new_empty(x.shape) if out is None else out
+    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
+    wide = _wide(n, x_strides[2], y_strides[2])
+    if n > chunk:
+        split = split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide)
+        split.bounds()
+        split.write(split.threshold())
+        return y
+    launch_rows(launches, key if rows is x else None, rows, y, n_rows, n, inner, x_strides,
+                y_strides, wide, **row_launch)
+    return y
+
+
 @on_tensor_device
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
@@ -1712,23 +1732,15 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
-    if x.numel() == 0:
-        return x.new_empty(x.shape) if out is None else out
-    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = _rows(x, out, dim, chunk)
-    wide = _wide(n, x_strides[2], y_strides[2])
-    if n > chunk:
-        split = SplitRows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group,
-                          num_warps, sparse_write, threshold_tile, programs_per_sm, bound_groups,
-                          early_zeros, share_steps)
-        split.bounds()
-        split.write(split.threshold())
-        return y
-    launch_rows(FORWARD_LAUNCHES, key if rows is x else None, rows, y, n_rows, n, inner,
-                x_strides, y_strides, wide, group, num_warps, block_m, programs_per_sm,
-                row_threads=row_threads,
-                adjacent_values=adjacent_values or ADJACENT_THREAD_VALUES,
-                half_warps=HALF_ONE_ROW_WARPS, wide_groups_from=WIDE_GROUPS_FROM)
-    return y
+    split_rows = functools.partial(
+        SplitRows, group=group, num_warps=num_warps, sparse_write=sparse_write,
+        threshold_tile=threshold_tile, programs_per_sm=programs_per_sm, bound_groups=bound_groups,
+        early_zeros=early_zeros, share_steps=share_steps)
+    return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
+                          num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
+                          row_threads=row_threads,
+                          adjacent_values=adjacent_values or ADJACENT_THREAD_VALUES,
+                          half_warps=HALF_ONE_ROW_WARPS, wide_groups_from=WIDE_GROUPS_FROM)
 
 
 class SplitBackward:
@@ -1801,17 +1813,26 @@ def launch_gradient_rows(launches: LaunchCache, key, y, grad, dim, out, num_warp
     return dx
 
 
-@on_tensor_device
-def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
-                       block_m=None, chunk=None) -> torch.Tensor:
-    """Launch the backward kernel into `out`, as `sparsemax_forward` does."""
+def launch_backward(launches: LaunchCache, split_backward, y, grad, dim, out, num_warps,
+                    block_m, chunk) -> torch.Tensor:
+    """A backward launcher: rows longer than chunk (None: the dtype's MAX_BLOCK_N) by
+    split_backward (a `SplitBackward`), shorter ones by `launch_gradient_rows`; with the
+    defaults (no out, num_warps, block_m or chunk) kept and replayed (`kept_launch`)."""
     defaults = out is None and num_warps is None and block_m is None and chunk is None
-    out, key, replayed = kept_launch(BACKWARD_LAUNCHES, defaults, dim, out, y, grad)
+    out, key, replayed = kept_launch(launches, defaults, dim, out, y, grad)
     if replayed:
         return out
     if y.numel() == 0:
         return y.new_empty(y.shape) if out is None else out
     if y.shape[dim] > (max_block_n(y.dtype) if chunk is None else chunk):
-        split = SplitBackward(y, grad, dim, out, chunk, num_warps)
+        split = split_backward(y, grad, dim, out, chunk, num_warps)
         return split.write(split.sums(), split.n_splits)
-    return launch_gradient_rows(BACKWARD_LAUNCHES, key, y, grad, dim, out, num_warps, block_m)
+    return launch_gradient_rows(launches, key, y, grad, dim, out, num_warps, block_m)
+
+
+@on_tensor_device
+def sparsemax_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, out=None, num_warps=None,
+                       block_m=None, chunk=None) -> torch.Tensor:
+    """Launch the backward kernel into `out`, as `sparsemax_forward` does."""
+    return launch_backward(BACKWARD_LAUNCHES, SplitBackward, y, grad, dim, out, num_warps,
+                           block_m, chunk)
