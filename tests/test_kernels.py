@@ -51,12 +51,24 @@ def make(dist: str, rows: int, n: int, dtype=torch.float32, seed: int = 0) -> to
     return x.to(dtype).to(DEVICE)
 
 
+def poisoned(t: torch.Tensor) -> torch.Tensor:
+    return torch.full(t.shape, POISON, dtype=t.dtype, device=t.device)
+
+
 def forward(x: torch.Tensor, dim: int = -1, **config) -> torch.Tensor:
-    out = torch.full(x.shape, POISON, dtype=x.dtype, device=x.device)
+    out = poisoned(x)
     y = kernels.sparsemax_forward(x, dim % x.dim(), out=out, **config)
     assert y is out
     assert not (y == POISON).any(), "some outputs were never written"
     return y
+
+
+def backward(y: torch.Tensor, g: torch.Tensor, dim: int, **config) -> torch.Tensor:
+    out = poisoned(y)
+    dx = kernels.sparsemax_backward(y, g, dim, out=out, **config)
+    assert dx is out
+    assert not (dx == POISON).any(), "some gradients were never written"
+    return dx
 
 
 DISTS = ["randn", "rand", "tiny", "huge", "offset", "ties", "masked"]
@@ -75,14 +87,15 @@ def test_forward_fp32_matches_oracle(dist, n):
 
 
 # Rows in one thread (16), over 2 and 16 threads each (64, 300; these three many a tile,
-# starting from their largest two), one a program, and one a program over HALF_ONE_ROW_WARPS'.
+# starting from their largest two), one a program, and one a program over HALF_ONE_ROW_WARPS';
+# or split into chunks of at most 128 entries, at least two a row.
 @pytest.mark.parametrize("n", [16, 64, 300, 1000, 4096])
-@pytest.mark.parametrize("chunk", [None, 128], ids=["in-registers", "split"])
+@pytest.mark.parametrize("split", [False, True], ids=["in-registers", "split"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_forward_half_is_fp32_rounded_once(dtype, chunk, n):
+def test_forward_half_is_fp32_rounded_once(dtype, split, n):
     x = make("randn", ROWS, n, dtype, seed=1)
     want = oracle(x.float().cpu()).to(dtype)
-    got = forward(x, chunk=chunk).cpu()
+    got = forward(x, chunk=min(128, n // 2) if split else None).cpu()
     ulp = torch.finfo(dtype).eps
     assert torch.allclose(got.float(), want.float(), rtol=ulp, atol=ulp * 1e-3)
 
@@ -147,7 +160,8 @@ def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
     if dist == "rand-masked-chunk":
         x[:, 256:384] = -torch.inf
     split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
-    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, None, 1, 128)
+    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, poisoned(x), 1,
+                                                                           128)
     split = split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False,
                        share_steps=share_steps)
     split.bounds()
@@ -173,6 +187,7 @@ def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
     if dist == "rand-masked-chunk" and share_steps == 3:
         # Written with the more stepped share bounds only (see the row count above).
         split.write(split.threshold())
+        assert not (y == POISON).any(), "some outputs were never written"
         assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6,
                                oracle_fn=oracle if op == "sparsemax" else entmax15_oracle)
 
@@ -209,7 +224,8 @@ def test_chunks_too_full_to_store_candidates(dtype):
 @pytest.mark.parametrize("block_m", [1, 4])
 @pytest.mark.parametrize("dist", ["randn", "rand", "masked"])
 def test_prefetching_programs_walk_every_block(block_m, dist):
-    # One program per multiprocessor walks several blocks, the last one partly past the rows.
+    # One program per multiprocessor walks several blocks (with block_m 4, the last one partly
+    # past the rows).
     sms = kernels._multiprocessors(torch.device(DEVICE))
     x = make(dist, block_m * (3 * sms + 1) - 1, 300, seed=20)
     assert kernels.rows_launch(x, x.shape[0], 300, block_m=block_m, programs_per_sm=1)[4]
@@ -301,9 +317,6 @@ def test_repeated_calls_match_fresh_launches(op):
     fwd, bwd = ((kernels.sparsemax_forward, kernels.sparsemax_backward) if op == "sparsemax"
                 else (entmax.entmax15_forward, entmax.entmax15_backward))
 
-    def poisoned(t):
-        return torch.full(t.shape, POISON, dtype=t.dtype, device=t.device)
-
     n = 1001 if ON_GPU else 101
     # The second round replays the first round's launches on new values (nothing is kept under
     # the interpreter, so one round there).
@@ -320,7 +333,7 @@ def test_repeated_calls_match_fresh_launches(op):
 
 def test_short_rows_share_a_program():
     x = make("randn", 3 * ROWS + 5, 16, seed=4)
-    assert kernels.launch_config(x.shape[0], 16)[0] > 1
+    assert kernels.rows_launch(x, x.shape[0], 16, align=4).block_m > 1
     assert_close_to_oracle(forward(x).cpu(), x.cpu(), -1, rtol=1e-6)
 
 
@@ -338,7 +351,10 @@ def test_launchers_take_a_negative_dim(chunk):
     y = kernels.sparsemax_forward(x, -1, chunk=chunk)
     assert torch.equal(y, kernels.sparsemax_forward(x, 1, chunk=chunk))
     g = make("randn", ROWS, 300, seed=24)
-    assert torch.equal(kernels.sparsemax_backward(y, g, -1), kernels.sparsemax_backward(y, g, 1))
+    dx = backward(y, g, 1, chunk=chunk)
+    assert torch.equal(kernels.sparsemax_backward(y, g, -1, chunk=chunk), dx)
+    want = reference.sparsemax_backward(y.double(), g.double())
+    assert torch.allclose(dx.double(), want, atol=1e-6)
 
 
 def adjacent(rows: torch.Tensor, outer: int = 2) -> torch.Tensor:
@@ -395,7 +411,7 @@ def test_adjacent_rows_backward(n, dtype):
     g = adjacent(make("randn", 2 * inner, n, dtype, seed=n + 1))
     if 1 << (n - 1).bit_length() >= kernels.ADJACENT_GRADIENT_ENTRIES[y.element_size()]:
         assert_adjacent_launch(y, g, 1)
-    dx = kernels.sparsemax_backward(y, g, 1, out=torch.full_like(y, POISON))
+    dx = backward(y, g, 1)
     want = reference.sparsemax_backward(y.movedim(1, -1).double(), g.movedim(1, -1).double())
     ulp = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
     assert torch.allclose(dx.movedim(1, -1).double(), want, rtol=ulp, atol=ulp)
@@ -468,16 +484,14 @@ def test_deterministic():
     assert torch.equal(forward(x), forward(x))
 
 
-@pytest.mark.parametrize("chunk", [None, 64], ids=["in-registers", "split"])
+@pytest.mark.parametrize("split", [False, True], ids=["in-registers", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("n", [5, 1000])
-def test_backward_matches_formula(dtype, n, chunk):
+def test_backward_matches_formula(dtype, n, split):
     x = make("rand", ROWS, n, dtype, seed=9)  # large supports: every chunk holds some
     y = forward(x)
     g = make("randn", ROWS, n, dtype, seed=10)
-    out = torch.full(x.shape, POISON, dtype=dtype, device=x.device)
-    dx = kernels.sparsemax_backward(y, g, 1, out=out, chunk=chunk)
-    assert not (dx == POISON).any()
+    dx = backward(y, g, 1, chunk=(2 if n == 5 else 64) if split else None)
     want = reference.sparsemax_backward(y.double(), g.double())
     tol = 1e-12 if dtype == torch.float64 else torch.finfo(dtype).eps * 4
     assert torch.allclose(dx.double(), want, rtol=tol, atol=tol * want.abs().max().item())
@@ -490,8 +504,7 @@ def test_backward_widest_rows(dtype):
     x = make("randn", 2, 32768, dtype, seed=40)
     y = reference.sparsemax_sort(x.double()).to(dtype)
     g = make("randn", 2, 32768, dtype, seed=41)
-    out = torch.full(x.shape, POISON, dtype=dtype, device=x.device)
-    dx = kernels.sparsemax_backward(y, g, 1, out=out)
+    dx = backward(y, g, 1)
     want = reference.sparsemax_backward(y.double(), g.double())
     tol = torch.finfo(dtype).eps * 4
     assert torch.allclose(dx.double(), want, rtol=tol, atol=tol * want.abs().max().item())
@@ -507,11 +520,10 @@ def test_backward_ignores_grad_off_the_support(dtype, chunk):
     x = make("randn", ROWS, 300, dtype, seed=24)
     y = forward(x)
     g = make("randn", ROWS, 300, dtype, seed=25)
-    poisoned = g.masked_fill(y == 0, float("nan"))
-    poisoned[:, 1::2] = poisoned[:, 1::2].masked_fill(y[:, 1::2] == 0, float("inf"))
-    out = torch.full(x.shape, POISON, dtype=dtype, device=x.device)
-    dx = kernels.sparsemax_backward(y, poisoned, 1, out=out, chunk=chunk)
-    assert not (dx == POISON).any() and bool(dx.isfinite().all())
+    bad_g = g.masked_fill(y == 0, float("nan"))
+    bad_g[:, 1::2] = bad_g[:, 1::2].masked_fill(y[:, 1::2] == 0, float("inf"))
+    dx = backward(y, bad_g, 1, chunk=chunk)
+    assert bool(dx.isfinite().all())
     assert torch.equal(dx, kernels.sparsemax_backward(y, g.masked_fill(y == 0, 0.0), 1,
                                                       chunk=chunk))
     want = reference.sparsemax_backward(y.double(), g.double())
@@ -526,7 +538,7 @@ def test_entries_at_tau_are_outside_the_support(dtype, chunk):
     y = forward(x, chunk=chunk)
     assert torch.equal(y > 0, oracle(x) > 0)
     g = make("randn", *x.shape, dtype, seed=23)
-    dx = kernels.sparsemax_backward(y, g, 1, chunk=chunk)
+    dx = backward(y, g, 1, chunk=chunk)
     want = support_gradient(x, g)
     atol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     assert torch.allclose(dx.double(), want, rtol=0, atol=atol)
@@ -652,7 +664,7 @@ def test_backward_strided_grad():
     x = make("randn", 3 * 4, 50, seed=11).reshape(3, 4, 50).transpose(0, 2)  # dim 0
     y = forward(x, 0)
     g = make("randn", 50, 4 * 3, seed=12).reshape(50, 4, 3)
-    dx = kernels.sparsemax_backward(y, g, 0)
+    dx = backward(y, g, 0)
     want = reference.sparsemax_backward(y.movedim(0, -1).double(), g.movedim(0, -1).double())
     assert torch.allclose(dx.movedim(0, -1).double(), want, atol=1e-6)
 
