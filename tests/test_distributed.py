@@ -384,11 +384,17 @@ def entmax15_steps_contract_and_errors(rank, world):
     odd = rank == world - 1
     with pytest.raises(ValueError, match=r"entmax15\(group=\.\.\.\)"):
         flashmax.entmax15(x_local.double() if odd else x_local, 1, group=WORLD)
+    # With create_graph the gradient is the same; differentiating it again raises, whether the
+    # incoming gradient requires one (g) or not (g.detach(), as a gradient penalty's).
     x_grad = x_local.clone().requires_grad_()
-    (dx,) = torch.autograd.grad(flashmax.entmax15(x_grad, 1, group=WORLD), x_grad,
-                                torch.ones_like(x_grad), create_graph=True)
-    with pytest.raises(RuntimeError):
-        dx.sum().backward()
+    g = my_slice(make_input((64, 1000), 1, torch.float32, seed=15), 1, widths).requires_grad_()
+    (plain,) = torch.autograd.grad(flashmax.entmax15(x_grad, 1, group=WORLD), x_grad, g)
+    for incoming in (g, g.detach()):
+        (dx,) = torch.autograd.grad(flashmax.entmax15(x_grad, 1, group=WORLD), x_grad, incoming,
+                                    create_graph=True)
+        assert torch.equal(dx.detach(), plain) and bool(plain.abs().sum() > 0)
+        with pytest.raises(RuntimeError, match="first-order gradients only"):
+            (dx * dx).sum().backward()
 
 
 @case("gloo-2")

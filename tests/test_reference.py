@@ -93,25 +93,30 @@ def test_oracle_satisfies_kkt(kind, n):
 
 
 def test_kkt_check_rejects_wrong_answers():
-    """The KKT check is not vacuous: near misses of the right answer fail it."""
+    """The KKT check is not vacuous: near misses of the right answer fail it, each for the
+    reason it was built to miss."""
+
+    def fails_with(x, y, reason):
+        problems = kkt_violations(x, y, 1e-12)
+        return any(problem.startswith(reason) for problem in problems)
+
     x = torch.tensor([0.3, 0.1, 0.25, -0.4, 0.05, -1.0, 0.2], dtype=torch.float64)
     y = oracle(x)
     assert not kkt_violations(x, y, 1e-12)
-    softmax = torch.softmax(x, 0)
-    assert kkt_violations(x, softmax, 1e-12)
+    assert fails_with(x, torch.softmax(x, 0), "x - y not constant on the support")
     shifted = y.clone()
     support = (y > 0).nonzero().flatten()
     assert len(support) >= 2, "the test needs a support of two or more"
     shifted[support[0]] += 1e-6
     shifted[support[1]] -= 1e-6  # still sums to 1, still >= 0
-    assert kkt_violations(x, shifted, 1e-12)
+    assert fails_with(x, shifted, "x - y not constant on the support")
     dropped = torch.zeros_like(y)
     dropped[int(x.argmax())] = 1.0  # argmax one-hot: feasible but not optimal
-    assert kkt_violations(x, dropped, 1e-12)
+    assert fails_with(x, dropped, "entry 0.25 off the support is above tau")
     wrong_inf = y.clone()
     x_inf = x.clone()
     x_inf[support[0]] = -INF
-    assert kkt_violations(x_inf, wrong_inf, 1e-12)
+    assert fails_with(x_inf, wrong_inf, "-inf entry with non-zero weight")
 
 
 def test_oracle_known_values():

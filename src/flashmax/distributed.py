@@ -497,6 +497,21 @@ def sharded_entmax15_backward(y, grad, dim, comm: Collectives):
     return _from_rows(sg - (total / norm).to(ctype).unsqueeze(-1) * s, y, dim)
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """dx itself, whose own gradient raises. torch's once_differentiable would leave dx with no
+    gradient at all when the incoming grad does not require one (a gradient penalty's ones),
+    so a term built on dx would silently add nothing to a second-order gradient."""
+
+    @staticmethod
+    def forward(ctx, dx, *inputs):
+        return dx.view_as(dx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("flashmax.entmax15(group=...) has first-order gradients only: its "
+                           "gradient cannot be differentiated again")
+
+
 class _ShardedEntmax15(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, comm):
@@ -506,10 +521,13 @@ class _ShardedEntmax15(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
-        return sharded_entmax15_backward(y, grad, ctx.dim, ctx.comm), None, None
+        with torch.no_grad():
+            dx = sharded_entmax15_backward(y, grad, ctx.dim, ctx.comm)
+        if torch.is_grad_enabled():  # create_graph: dx depends on y, which requires grad
+            dx = _FirstOrderOnly.apply(dx, y, grad)
+        return dx, None, None
 
 
 def sharded_entmax15(x: torch.Tensor, dim: int, group) -> torch.Tensor:
