@@ -92,7 +92,7 @@ def entmax15(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Ten
 
         return sharded_entmax15(x, dim, group)
     return call_rowwise(x, dim, "entmax15", _entmax15_op, _EagerEntmax15,
-                        kernels and kernels.entmax15_forward)
+                        None if kernels is None else kernels.entmax15_forward)
 
 
 class Entmax15(RowwiseModule):

@@ -172,7 +172,7 @@ def sparsemax(x: torch.Tensor, dim: int = -1, k=None, *, group=None) -> torch.Te
 
         return sharded_sparsemax(x, dim, group)
     return call_rowwise(x, dim, "sparsemax", _sparsemax_op, _EagerSparsemax,
-                        kernels and kernels.sparsemax_forward)
+                        None if kernels is None else kernels.sparsemax_forward)
 
 
 class RowwiseModule(nn.Module):
