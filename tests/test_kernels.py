@@ -155,8 +155,8 @@ def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
 
     # Under the interpreter two rows where the split rows are also written: entmax-1.5's row
     # pass over these dense rows takes ~40 s a row there (few rows either way: below 8).
-    rows = 2 if dist == "rand-masked-chunk" and not ON_GPU else ROWS
-    x = make(dist.split("-")[0], rows, 4096, seed=26)
+    row_count = 2 if dist == "rand-masked-chunk" and not ON_GPU else ROWS
+    x = make(dist.split("-")[0], row_count, 4096, seed=26)
     if dist == "rand-masked-chunk":
         x[:, 256:384] = -torch.inf
     split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
@@ -348,8 +348,8 @@ def test_every_dim_without_copy(dim):
 def test_launchers_take_a_negative_dim(chunk):
     # Counted from the end, as torch does (a negative dim once read garbage strides).
     x = make("randn", ROWS, 300, seed=23)
-    y = kernels.sparsemax_forward(x, -1, chunk=chunk)
-    assert torch.equal(y, kernels.sparsemax_forward(x, 1, chunk=chunk))
+    y = forward(x, 1, chunk=chunk)
+    assert torch.equal(kernels.sparsemax_forward(x, -1, chunk=chunk), y)
     g = make("randn", ROWS, 300, seed=24)
     dx = backward(y, g, 1, chunk=chunk)
     assert torch.equal(kernels.sparsemax_backward(y, g, -1, chunk=chunk), dx)
