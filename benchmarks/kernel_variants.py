@@ -11,6 +11,7 @@ x.clone() of the same shape timed the same way.
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -126,6 +127,7 @@ def rel_error(y, ref):
     return float((y.double() - ref).norm() / ref.norm())
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DISTS = {torch.float32: ("randn", "rand", "randn0.01"), torch.bfloat16: ("randn", "rand")}
 FORWARD_VARIANTS = {
     "default": {},
@@ -229,17 +231,17 @@ def end_to_end(records, rows):
                             forward_op_us=fwd, forward_launch_us=launch))
 
 
-def profile_kernels(op, shapes, forwards, reps=3):
+def profile_kernels(op, shapes, forwards, dtypes, reps=3):
     """Per-kernel GPU time of each of `forwards` ({name: (kernels module, overrides)}: op's
-    forward from that module with those launch overrides), median over calls, fp32 randn, rand
-    and randn x 0.01, each call on one of several inputs so that each reads x from HBM, as the
-    timings do: which pass of a multi-kernel path holds the time."""
+    forward from that module with those launch overrides), median over calls, in each of
+    dtypes and its DISTS, each call on one of several inputs so that each reads x from HBM, as
+    the timings do: which pass of a multi-kernel path holds the time."""
     from torch.profiler import ProfilerActivity, profile
 
-    for rows, n in shapes:
-        n_inputs = cold_inputs(rows, n, 4)
-        for dist in ("randn", "rand", "randn0.01"):
-            inputs = [make(dist, rows, n, torch.float32, seed) for seed in range(n_inputs)]
+    for (rows, n), dtype in itertools.product(shapes, dtypes):
+        n_inputs = cold_inputs(rows, n, dtype.itemsize)
+        for dist in DISTS[dtype]:
+            inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
             for name, (module, config) in forwards.items():
                 op.forward(module, inputs[0], **config)
                 torch.cuda.synchronize()
@@ -255,7 +257,8 @@ def profile_kernels(op, shapes, forwards, reps=3):
                             event.device_time)
                 parts = ", ".join(f"{kernel} {statistics.median(t):.1f}"
                                   for kernel, t in times.items())
-                print(f"profile {name} {rows}x{n} {dist}: {parts} (us)", flush=True)
+                print(f"profile {name} {rows}x{n} {str(dtype)[6:]} {dist}: {parts} (us)",
+                      flush=True)
             del inputs
 
 
@@ -280,6 +283,8 @@ def main():
                              '\'{"default": {}, "w16": {"num_warps": 16}}\'')
     parser.add_argument("--shapes", nargs="+", metavar="ROWSxN",
                         help="shapes to time with the default kernel only, e.g. 512x131072")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=sorted(DTYPES),
+                        help="the dtypes to time (default: both)")
     parser.add_argument("--columns", action="store_true",
                         help="rows are the columns of contiguous N x ROWS tensors, reduced "
                              "over dim 0 (`make`)")
@@ -287,6 +292,7 @@ def main():
                         help="also print each kernel's GPU time on --shapes (each --baseline's "
                              "too, and with --variants-on-shapes each --variants')")
     args = parser.parse_args()
+    dtypes = [DTYPES[name] for name in sorted(args.dtypes, reverse=True)]  # fp32 first
     widths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
     shapes = [(args.tokens, n) for n in widths]
     if args.shapes:
@@ -307,7 +313,7 @@ def main():
         backward_oracle = lambda y, g: op.backward_oracle(y.t(), g.t()).t()  # noqa: E731
     records = []
     for rows, n in shapes:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             n_inputs = cold_inputs(rows, n, dtype.itemsize)
             for dist in DISTS[dtype]:
                 inputs = [make(dist, rows, n, dtype, seed, args.columns)
@@ -382,10 +388,10 @@ def main():
             profiled.update((name, (module, config))
                             for name, config in json.loads(args.variants).items())
         profiled.update((name, (other, {})) for name, other in baselines.items())
-        profile_kernels(op, shapes, profiled)
+        profile_kernels(op, shapes, profiled, dtypes)
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__)
+                triton=triton.__version__, commit=os.environ.get("FLASHMAX_COMMIT"))
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"variants-{args.op}.json"), "w") as f:
