@@ -482,12 +482,16 @@ def _sparsemax_tile(z, pivot, step, bad, tiny):
         # reduction across warps (3 barriers a tile at 8-64 entries, triton 3.6); a per-row
         # bound costs one compare-and-select an entry in place of the maximum instead. Only
         # whether any row is tiny (rare) still takes one.
-        tol = tl.where(tied, _zero_below(pivot + step), 0.0)
-        y = _above_tau(z, pivot, step)
-        out = tl.where(y <= tol[:, None, None], 0.0, y)
+        # Before the outputs, so that a tile is live in the branch, not two.
+        any_tiny = False
         if exact:
-            if tl.max(tiny.to(tl.int32), axis=0) > 0:
-                out = _exact_outputs(z, pivot, step, tiny, tied)
+            any_tiny = tl.max(tiny.to(tl.int32), axis=0) > 0
+        if any_tiny:
+            out = _exact_outputs(z, pivot, step, tiny, tied)
+        else:
+            tol = tl.where(tied, _zero_below(pivot + step), 0.0)
+            y = _above_tau(z, pivot, step)
+            out = tl.where(y <= tol[:, None, None], 0.0, y)
         return out
     # One reduction says both: the worst row is 2 if tiny (a tiny row is tied), 1 if tied.
     worst = tl.max(tied.to(tl.int32) + tiny.to(tl.int32), axis=0)
