@@ -481,8 +481,8 @@ def _sparsemax_tile(z, pivot, step, bad, tiny):
         # Short rows, many a tile, spread over the warps: whether any is tied would take a
         # reduction across warps (3 barriers a tile at 8-64 entries, triton 3.6); a per-row
         # bound costs one compare-and-select an entry in place of the maximum instead. Only
-        # whether any row is tiny (rare) still takes one.
-        # Before the outputs, so that a tile is live in the branch, not two.
+        # whether any row is tiny (rare) still takes one, asked before the outputs are made so
+        # that the refinement's branch holds one tile, not two (v64).
         any_tiny = False
         if exact:
             any_tiny = tl.max(tiny.to(tl.int32), axis=0) > 0
