@@ -108,12 +108,19 @@ PART_MAX, PART_BOUND, PART_COUNT, PART_SHARE = (tl.constexpr(i) for i in range(4
 STATE_SIZE = tl.constexpr(4)
 STATE_MAX, STATE_PIVOT, STATE_STEP, STATE_ZERO_BELOW = (tl.constexpr(i) for i in range(4))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
+# fp32 rows of GROUPWISE_EXACT_FROM to _TO entries held one a program sum a tiny row's
+# fp64 step one group at a time (`_exact_outputs`). The branch is rarely taken, but its widened
+# tile takes registers from every row: measured on an H200 (NOTES, v52), 152 -> 128 registers
+# there and uniform and randn x 0.01 rows 4-7% faster, randn unchanged; 2-byte rows lost up to
+# 20% with it (4096 bf16), fp32 at 32768 entries 5% on randn, other widths unchanged.
+GROUPWISE_EXACT_FROM = tl.constexpr(4096)
+GROUPWISE_EXACT_TO = tl.constexpr(8192)
 # The group maxima's Newton steps start this far below the exact tau of a row's largest two
 # (`_row_max_and_start`): at least 8 of its ulps (tau lies in [-1, 0]), so that the start's
 # rounding never puts it above the row's tau, from where Newton could stop short of it.
 TOP_TWO_MARGIN = tl.constexpr(2.0**-20)
-# A tiny fp32 row's outputs again from tau to ~48 bits (`_exact_outputs`): those at most this
-# much of |tau| are ties with tau (`reference.EXACT_ZERO_BELOW`).
+# A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
+# are ties with tau (`reference.EXACT_ZERO_BELOW`).
 EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
 # The split row pass's fp64 step for a tiny row starts this much of |tau| below it: within the
 # chunks' candidate margin (CANDIDATE_MARGIN), above which every entry is a candidate.
@@ -404,70 +411,58 @@ def _zero_at_tau(y, tau):
 
 
 @triton.jit
-def _two_sum(a, b):
-    """(s, e): s = a + b rounded and s + e = a + b exactly (Knuth's TwoSum)."""
-    s = a + b
-    b_part = s - a
-    return s, (a - (s - b_part)) + (b - b_part)
-
-
-@triton.jit
-def _add_pairs_count(hi_a, lo_a, count_a, hi_b, lo_b, count_b):
-    """Sum of (hi, lo) pairs, each an fp32 value carried to ~48 bits, and of counts."""
-    hi, error = _two_sum(hi_a, hi_b)
-    return hi, lo_a + lo_b + error, count_a + count_b
-
-
-@triton.jit
-def _exact_outputs(z, pivot, step, tiny, tied):
+def _exact_outputs(z, pivot, step, tiny, tied, GROUPWISE: tl.constexpr):
     """max(z - tau, 0) of each row of an fp32 tile of z; in `tiny` rows, whose fp32 threshold
     (pivot, step), rounded by up to ~4 ulps of tau, cannot tell an entry tied with tau from a
-    true output that small, with tau refined to ~48 bits (`reference.exact_outputs`, fp64); in
-    other `tied` rows, outputs within rounding of tau are 0 (`_zero_at_tau`).
+    true output that small, with tau refined in fp64 (`reference.exact_outputs`); in other
+    `tied` rows, outputs within rounding of tau are 0 (`_zero_at_tau`).
 
-    One Newton step from 2^-20 of tau below (pivot, step): its support holds the row's,
-    entries tied with tau (which leave tau as it is) and entries within that much below tau
-    (which lower it by at most that over the support's size, and stay below it), so the step
-    lands on tau. Each z - lower is carried exactly as an fp32 pair (`_two_sum`) and summed
-    as pairs, so the step needs no fp64: a tile widened to fp64 took registers from every row,
-    though the branch is rarely taken (NOTES, v64). tau goes back as (pivot, step) in fp32;
-    outputs within EXACT_ZERO_BELOW of it are ties."""
-    tau = pivot + step
+    One Newton step in fp64 from 2^-20 of tau below (pivot, step): its support holds the
+    row's, entries tied with tau (which leave tau as it is) and entries within that much below
+    tau (which lower it by at most that over the support's size, and stay below it), so the
+    step lands on tau. z - lower is exact in fp64. tau goes back as (pivot, step) in fp32,
+    ~48 bits; outputs within EXACT_ZERO_BELOW of it are ties. The branch's registers count
+    where it is not taken too (NOTES, v23: up to 13% at 256 entries); GROUPWISE widens and sums
+    one group of the tile at a time, in a loop that is not unrolled (GROUPWISE_EXACT_FROM)."""
+    tau = pivot.to(tl.float64) + step.to(tl.float64)
     lower = tau - tl.abs(tau) * 2.0**-20
-    d, d_error = _two_sum(z, -lower[:, None, None])
-    support = z > lower[:, None, None]
-    total, total_error, count = tl.reduce(
-        (tl.where(support, d, 0.0), tl.where(support, d_error, 0.0), support.to(tl.float32)), 1,
-        _add_pairs_count)
-    total, total_error, count = tl.reduce((total, total_error, count), 1, _add_pairs_count)
-    # (total - 1) / count as a pair: the quotient, then its remainder (exact by fma) over count.
-    excess, excess_error = _two_sum(total, -1.0)
-    excess_error += total_error
-    quotient = tl.math.div_rn(excess, count)
-    remainder = tl.fma(-quotient, count, excess)
-    exact, exact_error = _two_sum(lower, quotient)
-    exact_error += tl.math.div_rn(remainder + excess_error, count)
-    exact_pivot = exact + exact_error
-    exact_step = exact_error - (exact_pivot - exact)
-    tol = tl.where(tied, _zero_below(tau), 0.0)
+    if GROUPWISE:
+        total = tl.zeros_like(lower)
+        count = tl.zeros_like(lower)
+        groups = tl.arange(0, z.shape[1])[None, :, None]
+        for group in range(z.shape[1]):
+            # This group's entries exactly: the others add zeros.
+            d = tl.sum(tl.where(groups == group, z, 0.0), axis=1).to(tl.float64) - lower[:, None]
+            support = d > 0
+            total += tl.sum(tl.where(support, d, 0.0), axis=1)
+            count += tl.sum(support.to(tl.float64), axis=1)
+    else:
+        d = z.to(tl.float64) - lower[:, None, None]
+        support = d > 0
+        total, count = tl.reduce((tl.where(support, d, 0.0), support.to(tl.float64)), 1,
+                                 _add_add)
+        total, count = tl.reduce((total, count), 1, _add_add)
+    exact = lower + (total - 1.0) / count
+    exact_pivot = exact.to(tl.float32)
+    tol = tl.where(tied, _zero_below(pivot + step), 0.0)
     pivot = tl.where(tiny, exact_pivot, pivot)
-    step = tl.where(tiny, exact_step, step)
-    tol = tl.where(tiny, tl.abs(exact_pivot) * EXACT_ZERO_BELOW, tol)
+    step = tl.where(tiny, (exact - exact_pivot.to(tl.float64)).to(tl.float32), step)
+    tol = tl.where(tiny, (tl.abs(exact) * EXACT_ZERO_BELOW).to(tl.float32), tol)
     # NaN (a bad row's step) stays NaN: NaN <= tol is false.
     y = _above_tau(z, pivot, step)
     return tl.where(y <= tol[:, None, None], 0.0, y)
 
 
 @triton.jit
-def _sparsemax_tile(z, pivot, step, bad, tiny):
+def _sparsemax_tile(z, pivot, step, bad, tiny, GROUPWISE: tl.constexpr):
     """max(z - tau, 0) with tau = pivot + step; in a tile where a row is `tiny` (`_tiny`) or
     its last step negative (which may leave entries at the pivot just above 0), outputs within
     rounding of tau are 0 too, so that an entry tied with tau is outside the support, as in
     exact arithmetic. Other tiles skip that test per entry. In fp32, a tiny row's outputs are
-    computed again from tau to ~48 bits instead (`_exact_outputs`): fp32's rounding alone
-    cannot tell a tie from a true output of a few ulps of tau. (A negative last step is
-    common, ~20% of randn rows, and its entries at the pivot rare: those rows keep the rule,
-    which costs a compare per entry where the refinement would cost a pass.)
+    computed again in fp64 instead (`_exact_outputs`): fp32's rounding alone cannot tell a tie
+    from a true output of a few ulps of tau. (A negative last step is common, ~20% of randn
+    rows, and its entries at the pivot rare: those rows keep the rule, which costs a compare
+    per entry where fp64 would cost a pass.)
 
     Each branch makes its outputs from z, so that one tile is live (NOTES, v16: no spills at
     16384 and 32768 entries, 7-11% faster there on randn rows than making z - tau once before
@@ -481,17 +476,13 @@ def _sparsemax_tile(z, pivot, step, bad, tiny):
         # Short rows, many a tile, spread over the warps: whether any is tied would take a
         # reduction across warps (3 barriers a tile at 8-64 entries, triton 3.6); a per-row
         # bound costs one compare-and-select an entry in place of the maximum instead. Only
-        # whether any row is tiny (rare) still takes one, asked before the outputs are made so
-        # that the refinement's branch holds one tile, not two (v64).
-        any_tiny = False
+        # whether any row is tiny (rare) still takes one.
+        tol = tl.where(tied, _zero_below(pivot + step), 0.0)
+        y = _above_tau(z, pivot, step)
+        out = tl.where(y <= tol[:, None, None], 0.0, y)
         if exact:
-            any_tiny = tl.max(tiny.to(tl.int32), axis=0) > 0
-        if any_tiny:
-            out = _exact_outputs(z, pivot, step, tiny, tied)
-        else:
-            tol = tl.where(tied, _zero_below(pivot + step), 0.0)
-            y = _above_tau(z, pivot, step)
-            out = tl.where(y <= tol[:, None, None], 0.0, y)
+            if tl.max(tiny.to(tl.int32), axis=0) > 0:
+                out = _exact_outputs(z, pivot, step, tiny, tied, False)
         return out
     # One reduction says both: the worst row is 2 if tiny (a tiny row is tied), 1 if tied.
     worst = tl.max(tied.to(tl.int32) + tiny.to(tl.int32), axis=0)
@@ -499,7 +490,7 @@ def _sparsemax_tile(z, pivot, step, bad, tiny):
     any_tiny = worst > 1
     if any_tied:
         if exact and any_tiny:
-            out = _exact_outputs(z, pivot, step, tiny, tied)
+            out = _exact_outputs(z, pivot, step, tiny, tied, GROUPWISE)
         else:
             out = _zero_at_tau(_above_tau(z, pivot, step), pivot + step)
     else:
@@ -594,6 +585,9 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     """Sparsemax of each row of a [BLOCK_M, GROUP, WIDTH] tile of the input's dtype, in the
     compute dtype; the same code whether the program holds the next tile (PREFETCHING,
     `_map_rows`) or not."""
+    entries: tl.constexpr = x.shape[0] * x.shape[1] * x.shape[2]
+    groupwise: tl.constexpr = (x.dtype == tl.float32 and GROUPWISE_EXACT_FROM <= entries
+                               and entries <= GROUPWISE_EXACT_TO)
     # Tiles of several 2-byte rows start from their largest two too (v63: 16-512 bf16 entries
     # 6-14% faster on randn rows, fp32's no faster).
     top_two: tl.constexpr = (x.shape[0] == 1 and GROUP > 1) or x.dtype.primitive_bitwidth == 16
@@ -602,7 +596,8 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     row_max, start = _row_max_and_start(group_max, top_two, _sparsemax_top_two_start)
     z = x - row_max[:, None, None]
     pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP, start)
-    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest))
+    return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
+                           groupwise)
 
 
 @triton.jit
@@ -991,8 +986,8 @@ def sparsemax_split_threshold_kernel(
     zero_below = _zero_below(pivot + step)
     if compute == tl.float32:
         if tl.sum(_tiny(pivot, step, smallest).to(tl.int32), axis=0) > 0:
-            # As `_exact_outputs` does in registers (there in fp32 pairs): one fp64 Newton
-            # step, over the candidates, from just below tau; ties at EXACT_ZERO_BELOW of it.
+            # As `_exact_outputs` does in registers: one fp64 Newton step, over the candidates,
+            # from just below tau; ties at EXACT_ZERO_BELOW of it.
             tau64 = pivot.to(tl.float64) + step.to(tl.float64)
             lower = tau64 - tl.abs(tau64) * EXACT_LOWER
             total, count, _ = _candidate_sums(
