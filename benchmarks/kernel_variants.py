@@ -283,7 +283,7 @@ def main():
                              '\'{"default": {}, "w16": {"num_warps": 16}}\'')
     parser.add_argument("--shapes", nargs="+", metavar="ROWSxN",
                         help="shapes to time with the default kernel only, e.g. 512x131072")
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=sorted(DTYPES),
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
                         help="the dtypes to time (default: both)")
     parser.add_argument("--columns", action="store_true",
                         help="rows are the columns of contiguous N x ROWS tensors, reduced "
@@ -292,7 +292,7 @@ def main():
                         help="also print each kernel's GPU time on --shapes (each --baseline's "
                              "too, and with --variants-on-shapes each --variants')")
     args = parser.parse_args()
-    dtypes = [DTYPES[name] for name in sorted(args.dtypes, reverse=True)]  # fp32 first
+    dtypes = [dtype for name, dtype in DTYPES.items() if name in args.dtypes]  # DTYPES' order
     widths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
     shapes = [(args.tokens, n) for n in widths]
     if args.shapes:
