@@ -34,6 +34,22 @@ MODULES = ("flashmax.kernels.sparsemax", "flashmax.kernels.entmax",
 COMPUTE = {"fp64": "fp64"}  # scratch pointers' dtype; fp32 otherwise
 SCRATCH = {"PART", "STATE", "STATS", "ROW_MAX", "TAUS", "CENTRE"}
 SASS_OPS = ("BAR", "STS", "LDS", "LDSM", "STSM", "LDG", "STG", "SHFL", "MUFU", "STL", "LDL")
+INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9.]+)", flags=re.M)
+FP64_GAP = 64  # fp64 instructions at most this far apart lie in one stretch of fp64 code
+
+
+def spills_in_fp64_code(sass: str) -> tuple[int, int]:
+    """(spill instructions, those inside stretches of fp64 code) in the SASS: the forwards'
+    fp64 code is the rarely taken refinement of tiny rows (`_exact_outputs`), so spills there
+    cost only the rows that take it (a heuristic on the instructions' order: a stretch runs
+    from one fp64 instruction to the next within FP64_GAP instructions)."""
+    opcodes = [match.group(1) for match in INSTRUCTION.finditer(sass)]
+    fp64 = [i for i, op in enumerate(opcodes)
+            if op.startswith(("DADD", "DMUL", "DFMA", "DSETP", "DMNMX")) or ".F64" in op]
+    stretches = [(a, b) for a, b in zip(fp64, fp64[1:]) if b - a <= FP64_GAP]
+    spills = [i for i, op in enumerate(opcodes) if op.startswith(("STL", "LDL"))]
+    inside = sum(any(a <= i <= b for a, b in stretches) for i in spills)
+    return len(spills), inside
 
 
 def find_function(name: str):
@@ -145,14 +161,15 @@ def main():
     for name, text in (("kernel.ttgir", ttgir), ("kernel.sass", sass)):
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(text)
-    ops = collections.Counter(
-        match.group(1) for match in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?"
-                                                r"([A-Z0-9]+)", sass, flags=re.M))
+    ops = collections.Counter(match.group(1).split(".")[0] for match in INSTRUCTION.finditer(sass))
     print(f"{args.kernel} {args.dtype} warps={args.warps} "
           f"{' '.join(f'{k}={v}' for k, v in consts.items())}")
     print(report)
     print(f"SASS instructions {sum(ops.values())}; "
           + ", ".join(f"{op} {ops[op]}" for op in SASS_OPS if ops[op]))
+    spills, inside = spills_in_fp64_code(sass)
+    if spills:
+        print(f"spill instructions {spills}, {inside} of them inside fp64 code")
     print(f"layout conversions in TTGIR: {ttgir.count('ttg.convert_layout')}")
 
 

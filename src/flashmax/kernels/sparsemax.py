@@ -1639,10 +1639,11 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES,
                 adjacent_values=ADJACENT_THREAD_VALUES, half_warps=None,
-                wide_groups_from=None):
+                wide_groups_from=None, max_registers=None):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices (or, for rows
     adjacent in memory and none of rows_launch's overrides, `adjacent_launch`'s with
-    adjacent_values), kept under key."""
+    adjacent_values), kept under key; rows_launch's with at most max_registers registers a
+    thread (None: as ptxas chooses)."""
     align = row_align(x, n, x_strides, y_strides)
     adjacent = None
     if group is None and num_warps is None and block_m is None and row_threads is None:
@@ -1654,11 +1655,12 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
                              wide_groups_from)
     else:
         launch, inner, (x_strides, y_strides) = adjacent
+        max_registers = None
     launches.launch(key, (launch.programs,), (x, y), (n_rows, n, inner, *x_strides, *y_strides),
                     dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
                          WIDE=wide, PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
                          ROW_ALIGN=align, ADJACENT=adjacent is not None,
-                         num_warps=launch.num_warps))
+                         num_warps=launch.num_warps, maxnreg=max_registers))
 
 
 def row_align(x: torch.Tensor, n: int, *strides) -> int:
@@ -1711,7 +1713,8 @@ def launch_forward(launches: LaunchCache, key, x, dim, out, chunk, split_rows,
 def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
                       programs_per_sm=None, bound_groups=None, row_threads=None,
-                      adjacent_values=None, early_zeros=None, share_steps=None) -> torch.Tensor:
+                      adjacent_values=None, early_zeros=None, share_steps=None,
+                      max_registers=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -1722,13 +1725,14 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     reading it again; `threshold_tile` (default THRESHOLD_TILE's) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
     `bound_groups`, `early_zeros` and `share_steps` (`SplitRows`), `row_threads` (`rows_launch`),
-    `adjacent_values` (`adjacent_launch`'s values). The other keyword arguments override the
-    launch heuristics (benchmarks, tests).
+    `adjacent_values` (`adjacent_launch`'s values), `max_registers` (`launch_rows`). The other
+    keyword arguments override the launch heuristics (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
                 and programs_per_sm is None and bound_groups is None and row_threads is None
-                and adjacent_values is None and early_zeros is None and share_steps is None)
+                and adjacent_values is None and early_zeros is None and share_steps is None
+                and max_registers is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -1740,7 +1744,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           row_threads=row_threads,
                           adjacent_values=adjacent_values or ADJACENT_THREAD_VALUES,
-                          half_warps=HALF_ONE_ROW_WARPS, wide_groups_from=WIDE_GROUPS_FROM)
+                          half_warps=HALF_ONE_ROW_WARPS, wide_groups_from=WIDE_GROUPS_FROM,
+                          max_registers=max_registers)
 
 
 class SplitBackward:
