@@ -356,6 +356,15 @@ def test_kernel_launch_groups(kernels, monkeypatch):
         assert launched[-1]["GROUP"] == want_group, (dtype, n, launched[-1])
 
 
+# Register caps that fit one more program a SM without spilling (NOTES, v65); they take
+# effect on the GPU, the interpreter ignores them.
+@pytest.mark.parametrize("n", [4096, 8192] if ON_GPU else [300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_register_capped_launch_is_bit_identical(kernels, dtype, n):
+    x = make_input((ROWS, n), -1, dtype, seed=n, kind="near_max").to(DEVICE)
+    assert torch.equal(kernel_forward(kernels, x, max_registers=128), kernel_forward(kernels, x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_kernel_dtypes(kernels, dtype):
     x = make_input((ROWS, 150), -1, dtype, seed=11, scale=2.0).to(DEVICE)

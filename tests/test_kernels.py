@@ -590,6 +590,21 @@ def test_register_capped_launch_is_bit_identical(dist, dtype, n, max_registers):
         assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
 
 
+def test_register_cap_reaches_the_launch(monkeypatch):
+    """max_registers goes to Triton as maxnreg for rows held by `rows_launch`'s programs; rows
+    adjacent in memory take `adjacent_launch`'s, uncapped. Nothing runs: the launches are
+    recorded (`out=` keeps none to replay)."""
+    launched = []
+    monkeypatch.setattr(kernels.FORWARD_LAUNCHES, "launch",
+                        lambda key, grid, tensors, scalars, options: launched.append(options))
+    x = torch.randn(4, 64, device=DEVICE)
+    for rows, want in [(x, 96), (x.t(), None)]:
+        kernels.sparsemax_forward(rows, 1, out=torch.empty_like(rows), max_registers=96)
+        assert launched[-1]["maxnreg"] == want, launched[-1]
+    kernels.sparsemax_forward(x, 1, out=torch.empty_like(x))
+    assert launched[-1]["maxnreg"] is None
+
+
 @pytest.mark.parametrize("n", [1024, 2048])
 def test_two_support_entries_in_one_group(n):
     """A row whose support is two entries of one group (columns w and w + k * n / GROUP): the

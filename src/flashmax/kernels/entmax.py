@@ -543,20 +543,21 @@ BACKWARD_LAUNCHES = LaunchCache(entmax15_backward_kernel)
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                      block_m=None, chunk=None, programs_per_sm=None, row_threads=None,
                      threshold_tile=None, bound_groups=None, early_zeros=None,
-                     share_steps=None) -> torch.Tensor:
+                     share_steps=None, max_registers=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks, in
     sparsemax's three passes (`Entmax15SplitRows`; `threshold_tile`, default THRESHOLD_TILE's,
     as in `sparsemax_forward`, `bound_groups`, default ENTMAX_BOUND_GROUPS, `early_zeros` and
     `share_steps`).
-    `programs_per_sm` and `row_threads` as in `rows_launch`. The other keyword arguments
-    override the launch heuristics (for benchmarks and tests).
+    `programs_per_sm` and `row_threads` as in `rows_launch`, `max_registers` as in
+    `launch_rows`. The other keyword arguments override the launch heuristics (for benchmarks
+    and tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and programs_per_sm is None and row_threads is None
                 and threshold_tile is None and bound_groups is None and early_zeros is None
-                and share_steps is None)
+                and share_steps is None and max_registers is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -568,7 +569,8 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           prefetch_rows=PREFETCH_ROWS, row_threads=row_threads,
                           thread_entries=None,
-                          wide_groups_from=WIDE_GROUPS_FROM_BY_SIZE.get(x.element_size()))
+                          wide_groups_from=WIDE_GROUPS_FROM_BY_SIZE.get(x.element_size()),
+                          max_registers=max_registers)
 
 
 @on_tensor_device
