@@ -334,6 +334,8 @@ def test_bad_arguments():
         entmax_bisect(x, torch.full((2, 5), 1.5))  # one α per slice, not per entry
     with pytest.raises(ValueError, match="broadcast"):
         entmax_bisect(x, torch.full((1, 2, 1), 1.5))
+    with pytest.raises(ValueError, match="broadcast"):
+        entmax_bisect(x, torch.full((3, 1), 1.5))  # 3 slices' α for 2 slices
     with pytest.raises(TypeError):
         entmax_bisect(x, "1.5")
     with pytest.raises(TypeError):

@@ -444,6 +444,19 @@ def test_dim_out_of_range_is_index_error(shape, dim):
         sparsemax(torch.randn(shape), dim)
 
 
+@pytest.mark.parametrize("dim", [1.0, "1", None, torch.tensor([1, 0])])
+def test_dim_not_an_int_is_type_error(dim):
+    x = torch.randn(3, 4)
+    for call in (sparsemax, flashmax.entmax15, flashmax.entmax_bisect):
+        with pytest.raises(TypeError, match="dim must be an int"):
+            call(x, dim=dim)
+
+
+def test_dim_as_an_integer_tensor_is_that_int():
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(sparsemax(x, torch.tensor(0)), sparsemax(x, 0), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("shape,dim", [((3, 4), 1), ((3, 4), -2), ((5,), 0), ((5,), -1), ((2, 3, 4), -3)])
 def test_dim_in_range_is_fine(shape, dim):
     x = torch.randn(shape)

@@ -126,7 +126,11 @@ def _alpha_per_slice(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x.new_full((), float(alpha), dtype=torch.float64).expand(shape)
     if alpha.is_complex() or alpha.dtype == torch.bool:
         raise TypeError(f"{NAME}: alpha must be a real tensor, got dtype {alpha.dtype}")
-    if alpha.dim() > len(shape) or torch.broadcast_shapes(alpha.shape, shape) != tuple(shape):
+    try:
+        broadcast = torch.broadcast_shapes(alpha.shape, shape)
+    except RuntimeError:  # shapes that do not broadcast at all
+        broadcast = None
+    if broadcast != tuple(shape):
         raise ValueError(f"{NAME}: alpha of shape {tuple(alpha.shape)} does not broadcast to "
                          f"{tuple(shape)} (x's shape with size 1 along dim {dim})")
     alpha = alpha.to(device=x.device, dtype=torch.float64).expand(shape)

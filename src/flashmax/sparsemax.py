@@ -11,6 +11,8 @@ when autograd has nothing to record (Function.apply costs ~5 µs of host time); 
 always sees the custom op.
 """
 
+import operator
+
 import torch
 from torch import nn
 
@@ -41,6 +43,10 @@ def check_input(x: torch.Tensor, dim: int, name: str = "sparsemax") -> int:
         raise TypeError(
             f"{name}: expected a float16, bfloat16, float32 or float64 tensor, got dtype {x.dtype}"
         )
+    try:
+        dim = operator.index(dim)  # ints and their kin (numpy integers), not floats or strings
+    except TypeError:
+        raise TypeError(f"{name}: dim must be an int, got {type(dim).__name__}") from None
     ndim = max(x.dim(), 1)
     if not -ndim <= dim < ndim:
         raise IndexError(
