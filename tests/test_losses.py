@@ -323,3 +323,20 @@ def test_loss_and_gradient_capture_in_a_cuda_graph(name):
     want_loss, want_grad = expected(name, fresh, fresh_target)
     torch.testing.assert_close(loss.cpu().double(), want_loss.sum(), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(dx.cpu().double(), want_grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_vmap_over_batches_of_rows(name):
+    """vmap of a loss over a batch of [rows, classes] scores: the same losses and gradients as
+    the loss of all the rows at once."""
+    loss = LOSSES[name][0]
+    x, target = scores(4 * 6, 10, seed=70)
+    x = x.reshape(4, 6, 10).requires_grad_()
+    target = target.reshape(4, 6)
+    target[1, 2] = IGNORE
+    got = torch.func.vmap(lambda u, t: loss(u, t, ignore_index=IGNORE))(x, target)
+    want = loss(x, target, ignore_index=IGNORE)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    (dx,) = torch.autograd.grad(got.sum(), x)
+    (dx_want,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(dx, dx_want, rtol=1e-6, atol=1e-7)

@@ -5,7 +5,9 @@ contract in the README; the property tests at the end check accuracy on generate
 oracle (tests/oracle.py) is a textbook sort-based sparsemax in float64.
 """
 
+import importlib
 import math
+import os
 
 import pytest
 import torch
@@ -22,6 +24,8 @@ HALF_DTYPES = [torch.float16, torch.bfloat16]
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 RTOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 INF = math.inf
+# The public ops' tests run on the CPU; those that say so also on a GPU (FLASHMAX_TEST_DEVICE=cuda).
+DEVICE = os.environ.get("FLASHMAX_TEST_DEVICE", "cpu")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -713,6 +717,64 @@ def test_compile_dynamic_shapes_and_module():
     for shape in [(3, 5), (4, 11), (2, 1)]:
         x = torch.randn(shape)
         torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.func.vmap (on DEVICE)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "entmax_bisect"])
+@pytest.mark.parametrize("in_dim,dim", [(0, -1), (1, 0), (2, 1)])
+def test_vmap_matches_the_op_on_each_slice(name, in_dim, dim):
+    """vmap over any dim, forward and backward, equals the op on each slice, stacked."""
+    op = getattr(flashmax, name)
+    x = make_input((5, 4, 30), 2, torch.float32, seed=40 + in_dim, scale=0.5).to(DEVICE)
+    x.requires_grad_()
+    y = torch.func.vmap(lambda t: op(t, dim=dim), in_dims=in_dim)(x)
+    want = torch.stack([op(t, dim=dim) for t in x.unbind(in_dim)])
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-7)
+    g = make_input(y.shape, -1, torch.float32, seed=50).to(DEVICE)
+    (dx,) = torch.autograd.grad(y, x, g)
+    (dx_want,) = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(dx, dx_want, rtol=1e-6, atol=1e-7)
+
+
+def test_vmap_of_alpha_per_sample():
+    """entmax_bisect under vmap with α batched alongside x: values and both gradients."""
+    x = make_input((3, 4, 20), -1, torch.float32, seed=60).to(DEVICE).requires_grad_()
+    alpha = (1.2 + torch.rand(3, 4, 1, generator=torch.Generator().manual_seed(61))).to(DEVICE)
+    alpha.requires_grad_()
+    y = torch.func.vmap(flashmax.entmax_bisect)(x, alpha)
+    want = flashmax.entmax_bisect(x, alpha)
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-7)
+    g = make_input(y.shape, -1, torch.float32, seed=62).to(DEVICE)
+    for got, expected in zip(torch.autograd.grad(y, (x, alpha), g),
+                             torch.autograd.grad(want, (x, alpha), g)):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_is_one_call_for_the_batch(monkeypatch):
+    """The ops' vmap rule runs one call over the batch, not torch's fallback of one a sample
+    (the pure-torch path's on the CPU, the kernels' on a GPU)."""
+    module = importlib.import_module("flashmax.sparsemax")
+    calls = []
+    targets = [(module.reference, "sparsemax_forward")]
+    if module.kernels is not None:
+        targets.append((module.kernels, "sparsemax_forward"))
+
+    def counted(original):
+        def call(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+        return call
+
+    for owner, attribute in targets:
+        monkeypatch.setattr(owner, attribute, counted(getattr(owner, attribute)))
+    x = make_input((6, 3, 10), -1, torch.float32, seed=63).to(DEVICE)
+    y = torch.func.vmap(sparsemax)(x)
+    assert len(calls) == 1
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, 1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

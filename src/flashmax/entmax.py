@@ -10,7 +10,7 @@ import torch
 
 from . import reference_entmax as reference
 from .sparsemax import (RowwiseModule, call_rowwise, eager_function, on_rows,
-                        register_output_autograd)
+                        register_output_autograd, register_rowwise_vmap)
 
 from .kernels import load as load_kernels
 
@@ -70,6 +70,8 @@ def _double_backward(ctx, grad_dx):
 
 
 _entmax15_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
+register_rowwise_vmap(_entmax15_op, 1)
+register_rowwise_vmap(_entmax15_backward_op, 2)
 
 
 _EagerEntmax15 = None if kernels is None else eager_function(

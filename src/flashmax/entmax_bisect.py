@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import reference_bisect as reference
-from .sparsemax import check_input, uses_kernels
+from .sparsemax import check_input, register_rowwise_vmap, uses_kernels
 
 from .kernels import load as load_kernels
 
@@ -83,6 +83,8 @@ def _backward(ctx, grad):
 
 
 _entmax_bisect_op.register_autograd(_backward, setup_context=_setup_context)
+register_rowwise_vmap(_entmax_bisect_op, 2)
+register_rowwise_vmap(_entmax_bisect_backward_op, 3)
 
 
 class _EagerEntmaxBisect(torch.autograd.Function):
@@ -112,8 +114,9 @@ def _check_n_iter(n_iter) -> None:
 def _alpha_per_slice(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
     """alpha as a float64 tensor of x's shape with size 1 along dim; ValueError where α <= 1.
 
-    A tensor α is checked on the host, except while compiling or capturing a CUDA graph (no
-    synchronisation there): slices whose α is not in (1, inf) then come out NaN.
+    A tensor α is checked on the host, except while compiling, capturing a CUDA graph (no
+    synchronisation there) or under a torch.func transform such as vmap (no data-dependent
+    branch there): slices whose α is not in (1, inf) then come out NaN.
     """
     shape = list(x.shape)
     shape[dim] = 1
@@ -135,7 +138,8 @@ def _alpha_per_slice(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
                          f"{tuple(shape)} (x's shape with size 1 along dim {dim})")
     alpha = alpha.to(device=x.device, dtype=torch.float64).expand(shape)
     capturing = alpha.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not (torch.compiler.is_compiling() or capturing):
+    if not (torch.compiler.is_compiling() or capturing
+            or torch._C._are_functorch_transforms_active()):
         valid = (alpha > 1) & torch.isfinite(alpha)
         if not bool(valid.all()):
             raise ValueError(f"{NAME}: every alpha must be > 1 and finite, got "
@@ -160,7 +164,8 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50,
         return entmax_bisect(X.reshape(1), alpha, 0, n_iter, ensure_sum_one).reshape(())
     alpha = _alpha_per_slice(alpha, X, dim)
     ensure_sum_one = bool(ensure_sum_one)
-    if uses_kernels(X) and not torch.compiler.is_compiling():
+    if (uses_kernels(X) and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active()):  # vmap and co.: the op's rule
         return _EagerEntmaxBisect.apply(X, alpha, dim, n_iter, ensure_sum_one)
     return _entmax_bisect_op(X, alpha, dim, n_iter, ensure_sum_one)
 

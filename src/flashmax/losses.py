@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .entmax import entmax15, kernels, uses_kernels
-from .sparsemax import check_input, compute_dtype, sparsemax
+from .sparsemax import batch_first, check_input, compute_dtype, sparsemax
 
 REDUCTIONS = ("none", "sum", "elementwise_mean", "mean")
 
@@ -156,6 +156,22 @@ def _double_backward(ctx, grad_dx):
 
 
 _loss_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
+
+
+def register_rows_vmap(op) -> None:
+    """torch.vmap for a loss op, whose tensors hold one row each along their first dim: the
+    batch folded into the rows, one call for the whole batch."""
+
+    def vmap_rule(info, in_dims, *args):
+        args = [arg.flatten(0, 1) if isinstance(arg, torch.Tensor) else arg
+                for arg in batch_first(info, in_dims, args)]
+        return op(*args).unflatten(0, (info.batch_size, -1)), 0
+
+    op.register_vmap(vmap_rule)
+
+
+register_rows_vmap(_loss_op)
+register_rows_vmap(_loss_backward_op)
 
 
 def _loss(x, target, ignore_index, reduction, use_entmax15, name):

@@ -122,6 +122,34 @@ def _double_backward(ctx, grad_dx):
 _sparsemax_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
 
 
+def batch_first(info, in_dims, args) -> list:
+    """An op's arguments under torch.vmap with the batch dim of each tensor first (an unbatched
+    tensor expanded to the batch, a view)."""
+    return [arg.movedim(bdim, 0) if bdim is not None
+            else arg.expand(info.batch_size, *arg.shape) if isinstance(arg, torch.Tensor)
+            else arg for arg, bdim in zip(args, in_dims)]
+
+
+def register_rowwise_vmap(op, dim_arg: int) -> None:
+    """torch.vmap for a row-wise op whose argument dim_arg is the reduced dim of its tensors
+    (all of one logical shape): one call over the whole batch, moved to the front, instead of
+    torch's fallback of one call a sample. Outputs (one tensor or a tuple) come batched first."""
+
+    def vmap_rule(info, in_dims, *args):
+        logical = next(arg.dim() - (bdim is not None) for arg, bdim in zip(args, in_dims)
+                       if isinstance(arg, torch.Tensor))
+        args = batch_first(info, in_dims, args)
+        args[dim_arg] = args[dim_arg] % max(logical, 1) + 1
+        out = op(*args)
+        return out, (0,) * len(out) if isinstance(out, tuple) else 0
+
+    op.register_vmap(vmap_rule)
+
+
+register_rowwise_vmap(_sparsemax_op, 1)
+register_rowwise_vmap(_sparsemax_backward_op, 2)
+
+
 def eager_function(name: str, forward, backward, backward_op) -> type:
     """An autograd.Function `name` over a pair of kernel launchers, forward(x, dim) -> y and
     backward(y, grad, dim) -> dx, for eager CUDA calls; with create_graph the gradient is
@@ -152,12 +180,14 @@ _EagerSparsemax = None if kernels is None else eager_function(
 def call_rowwise(x: torch.Tensor, dim: int, name: str, op, eager, forward) -> torch.Tensor:
     """The public call of a row-wise op (x, dim) -> y after its arguments are checked: eager
     calls on CUDA through the autograd.Function `eager`, or the forward launcher alone when
-    autograd has nothing to record; every other call (other devices, torch.compile) through
-    the custom op `op`. eager is None where the kernels are missing."""
+    autograd has nothing to record; every other call (other devices, torch.compile, torch.func
+    transforms such as vmap) through the custom op `op`. eager is None where the kernels are
+    missing."""
     dim = check_input(x, dim, name)
     if x.dim() == 0:
         return op(x.reshape(1), 0).reshape(())
-    if eager is not None and x.is_cuda and not torch.compiler.is_compiling():
+    if (eager is not None and x.is_cuda and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active()):  # vmap and co.: the op's rule
         if x.requires_grad and torch.is_grad_enabled():
             return eager.apply(x, dim)
         return forward(x, dim)  # nothing to record: the launch alone
