@@ -754,6 +754,37 @@ def test_vmap_of_alpha_per_sample():
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "entmax_bisect"])
+def test_vectorized_jacobian(name):
+    """Batched gradients (autograd's own vmap): jacobian(vectorize=True) equals the row by row
+    one (on a GPU through the eager autograd.Functions' backward)."""
+    op = getattr(flashmax, name)
+    x = make_input((3, 12), -1, torch.float32, seed=64, scale=0.3).to(DEVICE)
+    fast = torch.autograd.functional.jacobian(op, x, vectorize=True)
+    slow = torch.autograd.functional.jacobian(op, x)
+    torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(importlib.import_module("flashmax.sparsemax").kernels is None,
+                    reason="the eager autograd.Functions wrap the Triton launchers")
+@pytest.mark.parametrize("module,function,extra", [
+    ("flashmax.sparsemax", "_EagerSparsemax", ()),
+    ("flashmax.entmax", "_EagerEntmax15", ()),
+    ("flashmax.entmax_bisect", "_EagerEntmaxBisect", (50, True)),
+])
+def test_eager_functions_take_batched_gradients(module, function, extra):
+    """The eager CUDA path's autograd.Functions (called here on DEVICE, the Triton interpreter
+    on the CPU) send batched gradients to the backward op, whose vmap rule takes them."""
+    apply = getattr(importlib.import_module(module), function).apply
+    x = make_input((3, 40), -1, torch.float32, seed=65).to(DEVICE).requires_grad_()
+    alpha = (torch.full((3, 1), 1.5, dtype=torch.float64, device=DEVICE),) if extra else ()
+    y = apply(x, *alpha, 1, *extra)
+    v = make_input((5, 3, 40), -1, torch.float32, seed=66).to(DEVICE)
+    (batched,) = torch.autograd.grad(y, x, v, is_grads_batched=True, retain_graph=True)
+    one_by_one = torch.stack([torch.autograd.grad(y, x, vi, retain_graph=True)[0] for vi in v])
+    torch.testing.assert_close(batched, one_by_one, rtol=1e-5, atol=1e-6)
+
+
 def test_vmap_is_one_call_for_the_batch(monkeypatch):
     """The ops' vmap rule runs one call over the batch, not torch's fallback of one a sample
     (the pure-torch path's on the CPU, the kernels' on a GPU)."""

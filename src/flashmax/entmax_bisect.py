@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import reference_bisect as reference
-from .sparsemax import check_input, register_rowwise_vmap, uses_kernels
+from .sparsemax import check_input, register_rowwise_vmap, under_vmap, uses_kernels
 
 from .kernels import load as load_kernels
 
@@ -100,7 +100,10 @@ class _EagerEntmaxBisect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         y, alpha = ctx.saved_tensors
-        dx, d_alpha = kernels.entmax_bisect_backward(y, grad, alpha, ctx.dim)
+        if under_vmap(grad):  # the op's vmap rule
+            dx, d_alpha = _entmax_bisect_backward_op(y, grad, alpha, ctx.dim)
+        else:
+            dx, d_alpha = kernels.entmax_bisect_backward(y, grad, alpha, ctx.dim)
         return dx, d_alpha, None, None, None
 
 
@@ -138,8 +141,7 @@ def _alpha_per_slice(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
                          f"{tuple(shape)} (x's shape with size 1 along dim {dim})")
     alpha = alpha.to(device=x.device, dtype=torch.float64).expand(shape)
     capturing = alpha.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not (torch.compiler.is_compiling() or capturing
-            or torch._C._are_functorch_transforms_active()):
+    if not (torch.compiler.is_compiling() or capturing or under_vmap(alpha)):
         valid = (alpha > 1) & torch.isfinite(alpha)
         if not bool(valid.all()):
             raise ValueError(f"{NAME}: every alpha must be > 1 and finite, got "
@@ -164,8 +166,7 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50,
         return entmax_bisect(X.reshape(1), alpha, 0, n_iter, ensure_sum_one).reshape(())
     alpha = _alpha_per_slice(alpha, X, dim)
     ensure_sum_one = bool(ensure_sum_one)
-    if (uses_kernels(X) and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active()):  # vmap and co.: the op's rule
+    if uses_kernels(X) and not torch.compiler.is_compiling() and not under_vmap(X):
         return _EagerEntmaxBisect.apply(X, alpha, dim, n_iter, ensure_sum_one)
     return _entmax_bisect_op(X, alpha, dim, n_iter, ensure_sum_one)
 

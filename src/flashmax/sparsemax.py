@@ -150,10 +150,19 @@ register_rowwise_vmap(_sparsemax_op, 1)
 register_rowwise_vmap(_sparsemax_backward_op, 2)
 
 
+def under_vmap(t: torch.Tensor) -> bool:
+    """Whether t comes under a vmap: torch.func's transforms, or the batched gradients of
+    autograd (is_grads_batched, jacobian(vectorize=True): the legacy vmap). Its tensors are
+    wrappers without storage, which the kernels' launchers cannot take; the ops' vmap rules
+    (`register_rowwise_vmap`) run them on the plain batched tensors instead."""
+    return (torch._C._are_functorch_transforms_active()
+            or torch._C._functorch.is_legacy_batchedtensor(t))
+
+
 def eager_function(name: str, forward, backward, backward_op) -> type:
     """An autograd.Function `name` over a pair of kernel launchers, forward(x, dim) -> y and
-    backward(y, grad, dim) -> dx, for eager CUDA calls; with create_graph the gradient is
-    backward_op (the custom op, itself differentiable) instead."""
+    backward(y, grad, dim) -> dx, for eager CUDA calls; with create_graph or under vmap the
+    gradient is backward_op (the custom op, itself differentiable and batched) instead."""
 
     def forward_fn(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
         y = forward(x, dim)
@@ -163,7 +172,8 @@ def eager_function(name: str, forward, backward, backward_op) -> type:
 
     def backward_fn(ctx, grad: torch.Tensor):
         (y,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the op keeps the gradient differentiable
+        # create_graph: the op keeps the gradient differentiable; under vmap, its rule.
+        if torch.is_grad_enabled() or under_vmap(grad):
             return backward_op(y, grad, ctx.dim), None
         return backward(y, grad, ctx.dim), None
 
@@ -186,8 +196,7 @@ def call_rowwise(x: torch.Tensor, dim: int, name: str, op, eager, forward) -> to
     dim = check_input(x, dim, name)
     if x.dim() == 0:
         return op(x.reshape(1), 0).reshape(())
-    if (eager is not None and x.is_cuda and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active()):  # vmap and co.: the op's rule
+    if eager is not None and x.is_cuda and not torch.compiler.is_compiling() and not under_vmap(x):
         if x.requires_grad and torch.is_grad_enabled():
             return eager.apply(x, dim)
         return forward(x, dim)  # nothing to record: the launch alone
