@@ -740,6 +740,15 @@ def test_vmap_matches_the_op_on_each_slice(name, in_dim, dim):
     torch.testing.assert_close(dx, dx_want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "entmax_bisect"])
+def test_nested_vmap(name):
+    op = getattr(flashmax, name)
+    x = make_input((3, 4, 5, 6), -1, torch.float32, seed=44).to(DEVICE)
+    y = torch.func.vmap(torch.func.vmap(op, in_dims=1), in_dims=2)(x)
+    want = torch.stack([torch.stack([op(x[:, j, i]) for j in range(4)]) for i in range(5)])
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-7)
+
+
 def test_vmap_of_alpha_per_sample():
     """entmax_bisect under vmap with α batched alongside x: values and both gradients."""
     x = make_input((3, 4, 20), -1, torch.float32, seed=60).to(DEVICE).requires_grad_()
