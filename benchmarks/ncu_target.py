@@ -1,5 +1,6 @@
-"""A program for Nsight Compute to profile: flashmax's forward (or backward) on each shape,
-a warm-up call then one profiled call per shape, between NVTX ranges named after the shape.
+"""A program for Nsight Compute to profile: flashmax's sparsemax or entmax-1.5 (`--op`) forward
+(or backward) on each shape, a warm-up call then one profiled call per shape, between NVTX
+ranges named after the shape.
 
     ncu --clock-control none --nvtx --nvtx-include 'regex:^profile/' \\
         --section SpeedOfLight --section WarpStateStats --section Occupancy \\
@@ -29,22 +30,25 @@ def main():
     parser.add_argument("--dist", choices=DISTRIBUTIONS, default="randn")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--op", choices=("sparsemax", "entmax15"), default="sparsemax")
     parser.add_argument("--launch", default="{}",
-                        help="keyword overrides for sparsemax_forward, as JSON")
+                        help="keyword overrides for the op's forward launcher, as JSON")
     args = parser.parse_args()
-    kernels = load("sparsemax")
+    kernels = load({"sparsemax": "sparsemax", "entmax15": "entmax"}[args.op])
+    forward = getattr(kernels, f"{args.op}_forward")
+    backward = getattr(kernels, f"{args.op}_backward")
     overrides = json.loads(args.launch)
     for shape in args.shapes:
         rows, n = (int(v) for v in shape.split("x"))
         x = DISTRIBUTIONS[args.dist]((rows, n), getattr(torch, args.dtype))
-        y = kernels.sparsemax_forward(x, 1, **overrides)
+        y = forward(x, 1, **overrides)
         grad = torch.randn_like(x)
         for name in ("warmup", "profile"):
             torch.cuda.nvtx.range_push(f"{name}/{shape}")
             if args.backward:
-                kernels.sparsemax_backward(y, grad, 1)
+                backward(y, grad, 1)
             else:
-                kernels.sparsemax_forward(x, 1, **overrides)
+                forward(x, 1, **overrides)
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_pop()
 
