@@ -794,6 +794,21 @@ def test_eager_functions_take_batched_gradients(module, function, extra):
     torch.testing.assert_close(batched, one_by_one, rtol=1e-5, atol=1e-6)
 
 
+def test_fake_cuda_tensors_take_the_custom_ops():
+    """Tensors without data (FakeTensorMode's, as tracing and memory planning make them) on a
+    CUDA device get the custom ops' fake results, not the kernels' launchers, with or without
+    a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 8, device="cuda")
+        alpha = torch.full((4, 1), 1.5, device="cuda")
+        target = torch.zeros(4, dtype=torch.long, device="cuda")
+        for y in (sparsemax(x), flashmax.entmax15(x), flashmax.entmax_bisect(x),
+                  flashmax.entmax_bisect(x, alpha), flashmax.sparsemax_loss(x, target)):
+            assert y.device.type == "cuda" and y.shape[0] == 4
+
+
 def test_vmap_is_one_call_for_the_batch(monkeypatch):
     """The ops' vmap rule runs one call over the batch, not torch's fallback of one a sample
     (the pure-torch path's on the CPU, the kernels' on a GPU)."""

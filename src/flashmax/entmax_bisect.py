@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import reference_bisect as reference
-from .sparsemax import check_input, register_rowwise_vmap, under_vmap, uses_kernels
+from .sparsemax import check_input, launchable, register_rowwise_vmap, uses_kernels
 
 from .kernels import load as load_kernels
 
@@ -100,7 +100,7 @@ class _EagerEntmaxBisect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         y, alpha = ctx.saved_tensors
-        if under_vmap(grad):  # the op's vmap rule
+        if not launchable(grad):  # under vmap: the op's rule
             dx, d_alpha = _entmax_bisect_backward_op(y, grad, alpha, ctx.dim)
         else:
             dx, d_alpha = kernels.entmax_bisect_backward(y, grad, alpha, ctx.dim)
@@ -118,8 +118,9 @@ def _alpha_per_slice(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
     """alpha as a float64 tensor of x's shape with size 1 along dim; ValueError where α <= 1.
 
     A tensor α is checked on the host, except while compiling, capturing a CUDA graph (no
-    synchronisation there) or under a torch.func transform such as vmap (no data-dependent
-    branch there): slices whose α is not in (1, inf) then come out NaN.
+    synchronisation there), under vmap or for a tensor subclass such as FakeTensor (no
+    data-dependent branch there, `launchable`): slices whose α is not in (1, inf) then come
+    out NaN.
     """
     shape = list(x.shape)
     shape[dim] = 1
@@ -140,8 +141,8 @@ def _alpha_per_slice(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
         raise ValueError(f"{NAME}: alpha of shape {tuple(alpha.shape)} does not broadcast to "
                          f"{tuple(shape)} (x's shape with size 1 along dim {dim})")
     alpha = alpha.to(device=x.device, dtype=torch.float64).expand(shape)
-    capturing = alpha.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not (torch.compiler.is_compiling() or capturing or under_vmap(alpha)):
+    if (launchable(alpha) and not torch.compiler.is_compiling()
+            and not (alpha.is_cuda and torch.cuda.is_current_stream_capturing())):
         valid = (alpha > 1) & torch.isfinite(alpha)
         if not bool(valid.all()):
             raise ValueError(f"{NAME}: every alpha must be > 1 and finite, got "
@@ -166,7 +167,7 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50,
         return entmax_bisect(X.reshape(1), alpha, 0, n_iter, ensure_sum_one).reshape(())
     alpha = _alpha_per_slice(alpha, X, dim)
     ensure_sum_one = bool(ensure_sum_one)
-    if uses_kernels(X) and not torch.compiler.is_compiling() and not under_vmap(X):
+    if uses_kernels(X) and not torch.compiler.is_compiling() and launchable(X):
         return _EagerEntmaxBisect.apply(X, alpha, dim, n_iter, ensure_sum_one)
     return _entmax_bisect_op(X, alpha, dim, n_iter, ensure_sum_one)
 

@@ -150,13 +150,18 @@ register_rowwise_vmap(_sparsemax_op, 1)
 register_rowwise_vmap(_sparsemax_backward_op, 2)
 
 
-def under_vmap(t: torch.Tensor) -> bool:
-    """Whether t comes under a vmap: torch.func's transforms, or the batched gradients of
-    autograd (is_grads_batched, jacobian(vectorize=True): the legacy vmap). Its tensors are
-    wrappers without storage, which the kernels' launchers cannot take; the ops' vmap rules
-    (`register_rowwise_vmap`) run them on the plain batched tensors instead."""
-    return (torch._C._are_functorch_transforms_active()
-            or torch._C._functorch.is_legacy_batchedtensor(t))
+# Tensor types the launchers take as they are; subclasses (FakeTensor, DTensor, ...) are the
+# custom ops' to dispatch.
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+def launchable(t: torch.Tensor) -> bool:
+    """Whether the kernels' launchers can take t directly: a plain tensor with storage, not a
+    subclass, outside any vmap (torch.func's transforms, or autograd's batched gradients, the
+    legacy vmap: their tensors are wrappers without storage). Elsewhere the custom ops serve:
+    their fake implementations and vmap rules (`register_rowwise_vmap`)."""
+    return (type(t) in PLAIN_TENSORS and not torch._C._are_functorch_transforms_active()
+            and not torch._C._functorch.is_legacy_batchedtensor(t))
 
 
 def eager_function(name: str, forward, backward, backward_op) -> type:
@@ -173,7 +178,7 @@ def eager_function(name: str, forward, backward, backward_op) -> type:
     def backward_fn(ctx, grad: torch.Tensor):
         (y,) = ctx.saved_tensors
         # create_graph: the op keeps the gradient differentiable; under vmap, its rule.
-        if torch.is_grad_enabled() or under_vmap(grad):
+        if torch.is_grad_enabled() or not launchable(grad):
             return backward_op(y, grad, ctx.dim), None
         return backward(y, grad, ctx.dim), None
 
@@ -190,13 +195,13 @@ _EagerSparsemax = None if kernels is None else eager_function(
 def call_rowwise(x: torch.Tensor, dim: int, name: str, op, eager, forward) -> torch.Tensor:
     """The public call of a row-wise op (x, dim) -> y after its arguments are checked: eager
     calls on CUDA through the autograd.Function `eager`, or the forward launcher alone when
-    autograd has nothing to record; every other call (other devices, torch.compile, torch.func
-    transforms such as vmap) through the custom op `op`. eager is None where the kernels are
-    missing."""
+    autograd has nothing to record; every other call (other devices, torch.compile, tensors
+    the launchers cannot take: `launchable`) through the custom op `op`. eager is None where the
+    kernels are missing."""
     dim = check_input(x, dim, name)
     if x.dim() == 0:
         return op(x.reshape(1), 0).reshape(())
-    if eager is not None and x.is_cuda and not torch.compiler.is_compiling() and not under_vmap(x):
+    if eager is not None and x.is_cuda and not torch.compiler.is_compiling() and launchable(x):
         if x.requires_grad and torch.is_grad_enabled():
             return eager.apply(x, dim)
         return forward(x, dim)  # nothing to record: the launch alone
