@@ -783,7 +783,8 @@ def test_vectorized_jacobian(name):
 ])
 def test_eager_functions_take_batched_gradients(module, function, extra):
     """The eager CUDA path's autograd.Functions (called here on DEVICE, the Triton interpreter
-    on the CPU) send batched gradients to the backward op, whose vmap rule takes them."""
+    on the CPU) send batched gradients (autograd's legacy vmap, storage-less tensors) to the
+    backward custom op, whose dispatch serves them, not to the launchers."""
     apply = getattr(importlib.import_module(module), function).apply
     x = make_input((3, 40), -1, torch.float32, seed=65).to(DEVICE).requires_grad_()
     alpha = (torch.full((3, 1), 1.5, dtype=torch.float64, device=DEVICE),) if extra else ()

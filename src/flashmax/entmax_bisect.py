@@ -100,7 +100,7 @@ class _EagerEntmaxBisect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         y, alpha = ctx.saved_tensors
-        if not launchable(grad):  # under vmap: the op's rule
+        if not launchable(grad):  # batched gradients (vmap): the op's dispatch serves them
             dx, d_alpha = _entmax_bisect_backward_op(y, grad, alpha, ctx.dim)
         else:
             dx, d_alpha = kernels.entmax_bisect_backward(y, grad, alpha, ctx.dim)

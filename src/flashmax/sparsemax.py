@@ -177,7 +177,8 @@ def eager_function(name: str, forward, backward, backward_op) -> type:
 
     def backward_fn(ctx, grad: torch.Tensor):
         (y,) = ctx.saved_tensors
-        # create_graph: the op keeps the gradient differentiable; under vmap, its rule.
+        # create_graph: the op keeps the gradient differentiable; batched gradients (vmap):
+        # the op's dispatch serves them.
         if torch.is_grad_enabled() or not launchable(grad):
             return backward_op(y, grad, ctx.dim), None
         return backward(y, grad, ctx.dim), None
