@@ -141,7 +141,8 @@ def _alpha_per_slice(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
         raise ValueError(f"{NAME}: alpha of shape {tuple(alpha.shape)} does not broadcast to "
                          f"{tuple(shape)} (x's shape with size 1 along dim {dim})")
     alpha = alpha.to(device=x.device, dtype=torch.float64).expand(shape)
-    if (launchable(alpha) and not torch.compiler.is_compiling()
+    # is_compiling first: dynamo cannot trace launchable's C calls.
+    if (not torch.compiler.is_compiling() and launchable(alpha)
             and not (alpha.is_cuda and torch.cuda.is_current_stream_capturing())):
         valid = (alpha > 1) & torch.isfinite(alpha)
         if not bool(valid.all()):
