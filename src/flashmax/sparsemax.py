@@ -132,8 +132,9 @@ def batch_first(info, in_dims, args) -> list:
 
 def register_rowwise_vmap(op, dim_arg: int) -> None:
     """torch.vmap for a row-wise op whose argument dim_arg is the reduced dim of its tensors
-    (all of one logical shape): one call over the whole batch, moved to the front, instead of
-    torch's fallback of one call a sample. Outputs (one tensor or a tuple) come batched first."""
+    (all with as many dims: x, or y and grad, and entmax_bisect's alpha): one call over the
+    whole batch, moved to the front, instead of torch's fallback of one call a sample.
+    Outputs (one tensor or a tuple) come batched first."""
 
     def vmap_rule(info, in_dims, *args):
         logical = next(arg.dim() - (bdim is not None) for arg, bdim in zip(args, in_dims)
