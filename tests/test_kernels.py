@@ -591,6 +591,18 @@ def test_register_capped_launch_is_bit_identical(dist, dtype, n, max_registers):
         assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
 
 
+# Few long rows' pass 1 (16384-entry chunks over 16 warps) takes 105 registers, one program a
+# SM; capped at 64, two fit and 256 chunks run in one wave, with spills (NOTES, session 32).
+@pytest.mark.parametrize("rows, n, chunk", [(2, 1 << 20, None), (8, 1 << 18, None)] if ON_GPU
+                         else [(2, 3000, 1024)])
+@pytest.mark.parametrize("dist", ["randn", "rand"])
+def test_register_capped_split_pass_is_bit_identical(dist, rows, n, chunk):
+    x = make(dist, rows, n, seed=rows)
+    y = forward(x, chunk=chunk, max_registers=64)
+    assert torch.equal(y, forward(x, chunk=chunk))
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+
+
 def test_register_cap_reaches_the_launch(monkeypatch):
     """max_registers goes to Triton as maxnreg for rows held by `rows_launch`'s programs; rows
     adjacent in memory take `adjacent_launch`'s, uncapped. Nothing runs: the launches are
@@ -604,6 +616,26 @@ def test_register_cap_reaches_the_launch(monkeypatch):
         assert launched[-1]["maxnreg"] == want, launched[-1]
     kernels.sparsemax_forward(x, 1, out=torch.empty_like(x))
     assert launched[-1]["maxnreg"] is None
+
+
+def test_register_cap_reaches_split_pass_one(monkeypatch):
+    """Split rows: max_registers caps pass 1's launch (`SplitRows`), the only pass that holds
+    a chunk; the kernel is recorded, then run."""
+    launched = []
+    kernel = kernels.split_bounds_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                launched.append(options.get("maxnreg"))
+                return kernel[grid](*args, **options)
+            return launch
+
+    monkeypatch.setattr(kernels, "split_bounds_kernel", Recording())
+    x = make("randn", 2, 600, seed=3)
+    for cap in (64, None):
+        forward(x, chunk=256, max_registers=cap)
+        assert launched[-1] == cap, launched
 
 
 @pytest.mark.parametrize("n", [1024, 2048])

@@ -551,7 +551,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     as in `sparsemax_forward`, `bound_groups`, default ENTMAX_BOUND_GROUPS, `early_zeros` and
     `share_steps`).
     `programs_per_sm` and `row_threads` as in `rows_launch`, `max_registers` as in
-    `launch_rows`. The other keyword arguments override the launch heuristics (for benchmarks
+    `sparsemax_forward`. The other keyword arguments override the launch heuristics (for benchmarks
     and tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
@@ -564,7 +564,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     split_rows = functools.partial(
         Entmax15SplitRows, group=group, num_warps=num_warps, threshold_tile=threshold_tile,
         programs_per_sm=programs_per_sm, bound_groups=bound_groups, early_zeros=early_zeros,
-        share_steps=share_steps)
+        share_steps=share_steps, max_registers=max_registers)
     return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           prefetch_rows=PREFETCH_ROWS, row_threads=row_threads,

@@ -1397,7 +1397,8 @@ class SplitRows:
     `bound_groups` overrides the op's `bound_groups_by_rows` (by n_rows >= SPLIT_MANY_ROWS),
     `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
     `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
-    `share_steps` its `default_share_steps(n_rows, element_size)`.
+    `share_steps` its `default_share_steps(n_rows, element_size)`, `max_registers` caps pass
+    1's registers a thread (Triton's maxnreg; None: as ptxas chooses).
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
@@ -1410,7 +1411,7 @@ class SplitRows:
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
                  num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None,
-                 bound_groups=None, early_zeros=None, share_steps=None):
+                 bound_groups=None, early_zeros=None, share_steps=None, max_registers=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -1437,7 +1438,8 @@ class SplitRows:
                                    if bound_groups is None else bound_groups,
                                    BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros,
                                    SHARE_STEPS=self.default_share_steps(n_rows, x.element_size())
-                                   if share_steps is None else share_steps)
+                                   if share_steps is None else share_steps,
+                                   maxnreg=max_registers)
         tile = self.default_threshold_tile(n_rows) if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.tile_entries = tile
@@ -1725,8 +1727,9 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     reading it again; `threshold_tile` (default THRESHOLD_TILE's) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
     `bound_groups`, `early_zeros` and `share_steps` (`SplitRows`), `row_threads` (`rows_launch`),
-    `adjacent_values` (`adjacent_launch`'s values), `max_registers` (`launch_rows`). The other
-    keyword arguments override the launch heuristics (benchmarks, tests).
+    `adjacent_values` (`adjacent_launch`'s values), `max_registers` (`launch_rows`; split rows:
+    pass 1's, `SplitRows`). The other keyword arguments override the launch heuristics
+    (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
@@ -1739,7 +1742,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     split_rows = functools.partial(
         SplitRows, group=group, num_warps=num_warps, sparse_write=sparse_write,
         threshold_tile=threshold_tile, programs_per_sm=programs_per_sm, bound_groups=bound_groups,
-        early_zeros=early_zeros, share_steps=share_steps)
+        early_zeros=early_zeros, share_steps=share_steps, max_registers=max_registers)
     return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           row_threads=row_threads,
