@@ -141,9 +141,7 @@ def _alpha_per_slice(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
         raise ValueError(f"{NAME}: alpha of shape {tuple(alpha.shape)} does not broadcast to "
                          f"{tuple(shape)} (x's shape with size 1 along dim {dim})")
     alpha = alpha.to(device=x.device, dtype=torch.float64).expand(shape)
-    # is_compiling first: dynamo cannot trace launchable's C calls.
-    if (not torch.compiler.is_compiling() and launchable(alpha)
-            and not (alpha.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if launchable(alpha) and not (alpha.is_cuda and torch.cuda.is_current_stream_capturing()):
         valid = (alpha > 1) & torch.isfinite(alpha)
         if not bool(valid.all()):
             raise ValueError(f"{NAME}: every alpha must be > 1 and finite, got "
@@ -168,7 +166,7 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50,
         return entmax_bisect(X.reshape(1), alpha, 0, n_iter, ensure_sum_one).reshape(())
     alpha = _alpha_per_slice(alpha, X, dim)
     ensure_sum_one = bool(ensure_sum_one)
-    if uses_kernels(X) and not torch.compiler.is_compiling() and launchable(X):
+    if uses_kernels(X) and launchable(X):
         return _EagerEntmaxBisect.apply(X, alpha, dim, n_iter, ensure_sum_one)
     return _entmax_bisect_op(X, alpha, dim, n_iter, ensure_sum_one)
 

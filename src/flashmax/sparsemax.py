@@ -157,11 +157,13 @@ PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
 def launchable(t: torch.Tensor) -> bool:
-    """Whether the kernels' launchers can take t directly: a plain tensor with storage, not a
-    subclass, outside any vmap (torch.func's transforms, or autograd's batched gradients, the
-    legacy vmap: their tensors are wrappers without storage). Elsewhere the custom ops serve:
-    their fake implementations and vmap rules (`register_rowwise_vmap`)."""
-    return (type(t) in PLAIN_TENSORS and not torch._C._are_functorch_transforms_active()
+    """Whether the kernels' launchers can take t directly: outside torch.compile's tracing, a
+    plain tensor with storage, not a subclass, outside any vmap (torch.func's transforms, or
+    autograd's batched gradients, the legacy vmap: their tensors are wrappers without storage).
+    Elsewhere the custom ops serve: their fake implementations and vmap rules
+    (`register_rowwise_vmap`). is_compiling goes first: dynamo cannot trace the C calls."""
+    return (not torch.compiler.is_compiling() and type(t) in PLAIN_TENSORS
+            and not torch._C._are_functorch_transforms_active()
             and not torch._C._functorch.is_legacy_batchedtensor(t))
 
 
@@ -197,13 +199,13 @@ _EagerSparsemax = None if kernels is None else eager_function(
 def call_rowwise(x: torch.Tensor, dim: int, name: str, op, eager, forward) -> torch.Tensor:
     """The public call of a row-wise op (x, dim) -> y after its arguments are checked: eager
     calls on CUDA through the autograd.Function `eager`, or the forward launcher alone when
-    autograd has nothing to record; every other call (other devices, torch.compile, tensors
-    the launchers cannot take: `launchable`) through the custom op `op`. eager is None where the
+    autograd has nothing to record; every other call (other devices, tensors the launchers
+    cannot take: torch.compile, vmap, subclasses, `launchable`) through the custom op `op`. eager is None where the
     kernels are missing."""
     dim = check_input(x, dim, name)
     if x.dim() == 0:
         return op(x.reshape(1), 0).reshape(())
-    if eager is not None and x.is_cuda and not torch.compiler.is_compiling() and launchable(x):
+    if eager is not None and x.is_cuda and launchable(x):
         if x.requires_grad and torch.is_grad_enabled():
             return eager.apply(x, dim)
         return forward(x, dim)  # nothing to record: the launch alone
