@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashmax
-from flashmax.bench import cli, peers, report, runner
+from flashmax.bench import cli, peers, report, runner, timing
 from flashmax.bench.runner import Record, Settings
 from flashmax.bench.workloads import (CPU_SWEEP_MAX_FEATURES, CPU_SWEEP_MIN_BYTES, DISTRIBUTIONS, DTYPES,
                                       GPU_SWEEP_MIN_BYTES, SWEEP_FEATURES, SWEEP_QUICK_FEATURES, Workload,
@@ -28,10 +28,10 @@ def run(tmp_path, *options: str) -> dict:
 def test_cli_parses_every_option():
     args = cli.build_parser().parse_args(
         ["bench", "--dtype", "fp32", "bf16", "fp16", "--features", "16", "32", "--tokens", "4",
-         "--modes", "forward", "backward", "full", "--dist", "randn0.01", "--impls", "flashmax", "entmax",
+         "--modes", "forward", "backward", "full", "eager", "--dist", "randn0.01", "--impls", "flashmax", "entmax",
          "--out", "somewhere", "--quick", "--device", "cpu"])
     assert args.dtypes == ["fp32", "bf16", "fp16"] and args.features == [16, 32] and args.tokens == 4
-    assert args.modes == ["forward", "backward", "full"] and args.dist == "randn0.01"
+    assert args.modes == ["forward", "backward", "full", "eager"] and args.dist == "randn0.01"
     assert args.impls == ["flashmax", "entmax"] and str(args.out) == "somewhere" and args.quick
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["bench", "--impls", "no-such-impl"])
@@ -98,6 +98,54 @@ def test_inexact_and_failing_impls_are_flagged_not_raised(tmp_path, monkeypatch)
     assert all(r["inexact"] is True for r in by_impl["softmax"])
     assert all(r["error"] == "RuntimeError: kernel exploded" and r["median_us"] is None
                for r in by_impl["broken"])
+
+
+def test_alternating_timing_runs_op_and_reference_in_turn():
+    calls = []
+    ours, theirs = timing.measure_alternating(lambda: calls.append("op"), lambda: calls.append("reference"),
+                                              torch.device("cpu"), timing.Budget(gpu_ms=1, cpu_runs=7))
+    assert calls == ["op", "reference"] * (1 + 1 + 7)  # the first calls, the warm-up, the timed runs
+    assert 0 < ours.p20_us <= ours.median_us <= ours.p80_us and 0 < theirs.median_us
+
+
+@pytest.mark.parametrize("op", ["sparsemax", "sparsemax_loss"])
+def test_eager_mode_is_divided_by_pytorchs_own_op_timed_in_turn(tmp_path, monkeypatch, op):
+    """Mode eager's floor is torch.softmax (cross_entropy for a loss), forward + backward on the same input,
+    timed with each implementation, not the clone."""
+    references, reference_us = [], []
+    real_measure = runner.measure_alternating
+
+    def spy(op_, reference, device, budget):
+        references.append(reference())
+        ours, theirs = real_measure(op_, reference, device, budget)
+        reference_us.append(theirs.median_us)
+        return ours, theirs
+
+    monkeypatch.setattr(runner, "measure_alternating", spy)
+    records = run(tmp_path, "--op", op, "--modes", "forward", "eager", "--impls", "flashmax")["records"]
+    eager = [r for r in records if r["mode"] == "eager"]
+    assert len(eager) == 2 and len(references) == 2  # features
+    for record, (y, dx), floor_us in zip(eager, references, reference_us):
+        assert record["error"] is None and record["inexact"] is False, record
+        assert record["floor_us"] == floor_us
+        assert record["ratio_to_floor"] == pytest.approx(record["median_us"] / record["floor_us"])
+        assert record["graph_us"] is None and record["datasheet_floor_us"] is None
+        workload = Workload(tokens=4, features=record["features"], dtype="fp32", dist="randn")
+        x = workload.input(torch.device("cpu"))
+        if op == "sparsemax":
+            torch.testing.assert_close(y, torch.softmax(x, -1))
+        else:
+            torch.testing.assert_close(y, torch.nn.functional.cross_entropy(
+                x, workload.target(torch.device("cpu")), reduction="none"))
+        assert dx.shape == x.shape and dx.count_nonzero() > 0
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "## fp32 eager" in markdown
+    assert ("`torch.softmax` forward + backward" if op == "sparsemax" else "`torch cross_entropy`") in markdown
+
+
+def test_eager_mode_is_refused_in_a_sweep():
+    with pytest.raises(SystemExit):
+        sweep_settings("--device", "cpu", "--modes", "eager")
 
 
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)

@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", type=positive_int,
                        help=f"rows (default: {GPU_TOKENS} on a GPU, {CPU_TOKENS} on a CPU)")
     bench.add_argument("--modes", nargs="+", choices=MODES, default=["forward", "backward"], metavar="MODE",
-                       help="forward, backward (the backward pass alone) or full (both); "
-                            "default: forward backward")
+                       help="forward, backward (the backward pass alone), full (both), or eager (both "
+                            "by the wall clock, host included, against torch.softmax's forward + backward "
+                            "timed in turn: issue #4's end-to-end target); default: forward backward")
     bench.add_argument("--dist", choices=list(DISTRIBUTIONS), default="randn",
                        help="input values: randn (default), rand, randn0.01 and randn10 (randn scaled), "
                             "ties (multiples of 1/8 in [0, 1))")
@@ -91,6 +92,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error("--device cuda: no CUDA GPU is available")
     if args.sweep and args.tokens:
         parser.error("--sweep picks the tokens of each width from --min-bytes: drop --tokens")
+    if args.sweep and "eager" in args.modes:
+        parser.error("--sweep plots the copy bandwidth; mode eager compares with torch.softmax: drop one")
     if args.min_bytes and not args.sweep:
         parser.error("--min-bytes goes with --sweep")
     if args.alpha and args.op != "entmax_bisect":

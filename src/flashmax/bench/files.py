@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .report import fmt, header, not_run
-from .workloads import MODES, tensors_moved
+from .report import floor_label, fmt, header, not_run
+from .workloads import MODES, floor_name, tensors_moved
 
 if TYPE_CHECKING:
     from .runner import Record, Result
@@ -48,12 +48,15 @@ def cell(record: "Record | None") -> str:
 def write_markdown(result: "Result", path: Path) -> Path:
     settings = result.settings
     impls = [impl.name for impl in result.impls if impl.available]
-    floors = ", ".join(f"{mode} {tensors_moved(settings.op, mode)}" for mode in MODES)
+    floors = ", ".join(f"{mode} {tensors_moved(settings.op, mode)}" for mode in MODES if mode != "eager")
     lines = [f"# flashmax bench: {settings.title}", "", header(result), "",
              f"Inputs: {settings.inputs}, `{settings.dist}`. Cells: median µs (× floor), on a GPU "
              "the GPU time alone (CUDA-graph replay, L2 flushed before each run), elsewhere wall time; "
              "the floor is `x.clone()` timed the same way, scaled to the tensors each mode moves "
-             f"({floors}). *inexact*: relative error above 1e-4 (bf16/fp16: above "
+             f"({floors}). Mode eager: forward + backward through autograd by the wall clock, each call "
+             "synchronised, host time included, no flush; its floor is "
+             f"`{floor_name(settings.op, 'eager')}` forward + backward on the same input, timed call for "
+             "call in turn with each implementation. *inexact*: relative error above 1e-4 (bf16/fp16: above "
              "their eps) against a float64 oracle."]
     for dtype in settings.dtypes:
         for mode in settings.modes:
@@ -171,10 +174,12 @@ def _shown_floor(record: "Record") -> float:
 
 
 def _plot_panel(ax, records: list["Record"]) -> None:
+    if not records:
+        return
     floors = {r.features: r for r in records}
     features = sorted(floors)
     ax.plot(features, [_shown_floor(floors[f]) for f in features], "k--",
-            label="floor (clone)")
+            label=floor_label(records[0]))
     if any(floors[f].datasheet_floor_us for f in features):
         ax.plot(features, [floors[f].datasheet_floor_us for f in features], "k:", label="datasheet floor")
     for impl in dict.fromkeys(r.impl for r in records):

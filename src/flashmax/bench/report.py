@@ -15,6 +15,8 @@ try:
 except ImportError:
     Console = None
 
+from .workloads import floor_name
+
 if TYPE_CHECKING:
     from .runner import Record, Result
 
@@ -67,9 +69,14 @@ def row(record: "Record") -> tuple[str, ...]:
             fmt(record.ratio_to_floor), graph, fmt(record.gbps), fmt_error(record), fmt(record.peak_mb))
 
 
+def floor_label(record: "Record") -> str:
+    return FLOOR if record.mode != "eager" else f"floor ({floor_name(record.op, record.mode)})"
+
+
 def floor_row(record: "Record") -> tuple[str, ...]:
     datasheet = f" (datasheet {fmt(record.datasheet_floor_us)})" if record.datasheet_floor_us else ""
-    return (str(record.features), FLOOR, fmt(record.floor_us) + datasheet, "", "1.00", "", "", "", "")
+    return (str(record.features), floor_label(record), fmt(record.floor_us) + datasheet, "", "1.00", "", "", "",
+            "")
 
 
 def tables(result: "Result") -> Iterator[tuple[str, list[tuple[str, ...]]]]:
@@ -118,7 +125,7 @@ def print_tables(result: "Result") -> None:
         for name in COLUMNS:
             table.add_column(name, justify="left" if name == "impl" else "right", no_wrap=True)
         for cells in rows:
-            style = "dim" if cells[1] == FLOOR else ("red" if "inexact" in cells[7] else None)
+            style = "dim" if cells[1].startswith("floor (") else ("red" if "inexact" in cells[7] else None)
             table.add_row(*cells, style=style)
         console.print(table)
     for line in not_run(result):

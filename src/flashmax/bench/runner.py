@@ -2,6 +2,7 @@
 recorded next to the floor, a clone moving the same bytes."""
 
 import datetime
+import math
 import os
 import subprocess
 from collections.abc import Callable, Sequence
@@ -17,7 +18,8 @@ from flashmax.reference_entmax import entmax15_sort
 
 from . import peers
 from .report import progress
-from .timing import Budget, Timing, describe_error, measure, measure_graph_replay, peak_extra_mb
+from .timing import (Budget, Timing, describe_error, measure, measure_alternating, measure_graph_replay,
+                     peak_extra_mb)
 from .workloads import LOSS_OPS, TENSORS_MOVED, Workload, sweep_tokens, tensors_moved
 
 # Datasheet memory bandwidth in bytes/s, matched against the GPU's name.
@@ -98,7 +100,7 @@ class Record:
     p80_us: float | None
     graph_us: float | None  # GPU time alone, from CUDA-graph replay
     graph_note: str | None  # why graph_us is missing on a GPU
-    floor_us: float  # the same bytes moved by x.clone(), timed the same way
+    floor_us: float  # the same bytes moved by x.clone(), timed the same way; eager: floor_name's op
     floor_graph_us: float | None  # the same, GPU time alone (CUDA-graph replay)
     datasheet_floor_us: float | None  # the same bytes at the GPU's datasheet bandwidth
     ratio_to_floor: float | None
@@ -130,6 +132,7 @@ class Measurement:
     rel_error: float | None = None
     peak_mb: float | None = None
     error: str | None = None
+    reference: Timing | None = None  # mode eager: floor_name's op, timed in turn with this one
 
 
 def run_bench(settings: Settings) -> Result:
@@ -180,7 +183,18 @@ def full_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor, dim: int) -
     return forward_backward
 
 
-MODE_OPS = {"forward": forward_op, "backward": backward_op, "full": full_op}
+MODE_OPS = {"forward": forward_op, "backward": backward_op, "full": full_op, "eager": full_op}
+
+
+def eager_reference(op: str) -> peers.SparsemaxFn:
+    """Mode eager's floor (`floor_name`): torch.softmax, or for a loss (x, target) cross_entropy."""
+    if op in LOSS_OPS:
+        return lambda x, target: torch.nn.functional.cross_entropy(x, target, reduction="none")
+    return torch.softmax
+
+
+def with_target(loss: Callable, target: torch.Tensor) -> peers.SparsemaxFn:
+    return lambda x, dim: loss(x, target)
 
 
 def measure_one(fn: peers.SparsemaxFn, workload: Workload, mode: str, settings: Settings,
@@ -188,12 +202,18 @@ def measure_one(fn: peers.SparsemaxFn, workload: Workload, mode: str, settings: 
     device, budget = settings.device, settings.budget
     try:
         x, g = workload.input(device), workload.grad(device)
+        reference = eager_reference(settings.op)
         if settings.op in LOSS_OPS:  # (x, target) -> a loss a row, and its gradient one a row
-            loss, target = fn, workload.target(device)
-            fn, g = (lambda x, dim: loss(x, target)), workload.loss_grad(device)
+            target = workload.target(device)
+            fn, reference, g = with_target(fn, target), with_target(reference, target), workload.loss_grad(device)
         op = MODE_OPS[mode](fn, x, g, workload.dim)
         rel_error = oracle.error(mode, op())
         peak_mb = peak_extra_mb(op, device)
+        if mode == "eager":
+            reference_op = full_op(reference, workload.input(device), g, workload.dim)
+            timing, reference_timing = measure_alternating(op, reference_op, device, budget)
+            no_graph = "eager: wall time, host included" if device.type == "cuda" else None
+            return Measurement(timing, None, no_graph, rel_error, peak_mb, reference=reference_timing)
         timing = measure(op, device, budget)
         graph, graph_note = measure_graph_replay(op, device, budget) if device.type == "cuda" else (None, None)
     except Exception as error:  # one failing implementation must not end the run
@@ -255,6 +275,9 @@ def to_record(impl: peers.Impl, workload: Workload, mode: str, clone_us: tuple[f
     scale = tensors_moved(settings.op, mode) / TENSORS_MOVED["forward"]
     floor_us = clone_us[0] * scale
     floor_graph_us = clone_us[1] * scale if clone_us[1] else None
+    if mode == "eager":
+        floor_us = measured.reference.median_us if measured.reference else math.nan
+        floor_graph_us = None
     graph_us = measured.graph.median_us if measured.graph else None
     bandwidth = datasheet_bandwidth(settings.device)
     median_us = measured.timing.median_us if measured.timing else None
@@ -277,7 +300,8 @@ def to_record(impl: peers.Impl, workload: Workload, mode: str, clone_us: tuple[f
         graph_note=measured.graph_note,
         floor_us=floor_us,
         floor_graph_us=floor_graph_us,
-        datasheet_floor_us=workload.bytes_moved(mode, settings.op) / bandwidth * 1e6 if bandwidth else None,
+        datasheet_floor_us=(workload.bytes_moved(mode, settings.op) / bandwidth * 1e6
+                            if bandwidth and mode != "eager" else None),
         ratio_to_floor=median_us / floor_us if median_us else None,
         graph_ratio_to_floor=graph_us / floor_graph_us if graph_us and floor_graph_us else None,
         gbps=workload.bytes_moved(mode, settings.op) / median_us / 1e3 if median_us else None,

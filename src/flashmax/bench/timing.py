@@ -2,6 +2,7 @@
 
 On a GPU, CUDA events time each run (host time included), and a CUDA-graph replay gives the GPU
 time alone. On a CPU, time.perf_counter times a few runs; there is no cache to flush worth the cost.
+An eager call against a reference (`measure_alternating`) is timed by the wall clock instead.
 """
 
 import functools
@@ -49,6 +50,32 @@ def _measure_cuda(op: Op, device: torch.device, budget: Budget) -> Timing:
     runs = min(max(int(budget.gpu_ms * 1e3 / estimate_us), 10), 1000)
     _cuda_runs_us(op, device, max(runs // 4, 1))  # warm up clocks and caches
     return _quantiles(_cuda_runs_us(op, device, runs))
+
+
+def measure_alternating(op: Op, reference: Op, device: torch.device, budget: Budget) -> tuple[Timing, Timing]:
+    """Wall time of one call of op and of reference, host included, call for call in turn.
+
+    Each call waits for the GPU to finish, and no flush runs before it: the flush's GPU time would hide
+    the host time of the call queued behind it. Alternating makes both sides see the same host: on the
+    H200 machines a host's speed drifts within seconds (torch.softmax forward + backward at 2048 × 1024
+    measured 62-111 µs between runs, benchmarks/NOTES.md), which timing one after the other would
+    put into the ratio."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def once(fn: Op) -> float:
+        start = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - start) * 1e6
+
+    estimate_us = max(once(op), once(reference), 1.0)  # the first calls: compiling, allocator growth
+    runs = (min(max(int(budget.gpu_ms * 1e3 / estimate_us), 10), 1000) if device.type == "cuda"
+            else budget.cpu_runs)
+    for _ in range(max(runs // 4, 1)):  # warm up clocks and caches
+        once(op)
+        once(reference)
+    pairs = [(once(op), once(reference)) for _ in range(runs)]
+    return _quantiles([ours for ours, _ in pairs]), _quantiles([theirs for _, theirs in pairs])
 
 
 @functools.cache

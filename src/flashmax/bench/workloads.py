@@ -6,23 +6,34 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MODES = ("forward", "backward", "full")
+# full: forward + backward, GPU time; eager: the same call by the wall clock, host included, against
+# PyTorch's own fused row-wise op timed in turn with it (`floor_name`).
+MODES = ("forward", "backward", "full", "eager")
 # How a workload's rows lie: "rows", a (tokens, features) tensor over its last dim; "columns", a
 # (features, tokens) one over dim 0 — a reduced dim that is not the last, as an [N, C, H, W]
 # tensor over C: a row's entries `tokens` apart, neighbouring rows adjacent in memory.
 LAYOUTS = ("rows", "columns")
 
-# Tensors a mode must read or write at the least (forward: x, y; backward: y, g, dx; full: all five).
-# They set the bytes behind GB/s and the floor: a clone moves two tensors.
-TENSORS_MOVED = {"forward": 2, "backward": 3, "full": 5}
+# Tensors a mode must read or write at the least (forward: x, y; backward: y, g, dx; full and eager: all
+# five). They set the bytes behind GB/s and the floor: a clone moves two tensors.
+TENSORS_MOVED = {"forward": 2, "backward": 3, "full": 5, "eager": 5}
 # The losses (`--op sparsemax_loss`): a loss reads x and writes a number a row; its backward reads x
 # and writes dx (p - onehot(target), recomputed from x rather than stored); both, x twice and dx.
 LOSS_OPS = ("sparsemax_loss", "entmax15_loss")
-LOSS_TENSORS_MOVED = {"forward": 1, "backward": 2, "full": 3}
+LOSS_TENSORS_MOVED = {"forward": 1, "backward": 2, "full": 3, "eager": 3}
 
 
 def tensors_moved(op: str, mode: str) -> int:
     return (LOSS_TENSORS_MOVED if op in LOSS_OPS else TENSORS_MOVED)[mode]
+
+
+def floor_name(op: str, mode: str) -> str:
+    """What a mode's times are divided by: x.clone() scaled to the tensors the mode moves, or in mode
+    eager PyTorch's own fused row-wise op, forward + backward through autograd on the same input
+    (issue #4's end-to-end target: sparsemax within 1.2x of torch.softmax at 2048 x 1024)."""
+    if mode != "eager":
+        return "x.clone()"
+    return "torch cross_entropy" if op in LOSS_OPS else "torch.softmax"
 
 GPU_TOKENS = 2048
 GPU_FEATURES = (1024, 2048, 4096, 8192, 16384, 32768)
