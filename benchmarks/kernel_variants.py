@@ -210,19 +210,22 @@ def eager_us(fn, x, reps=50):
 
 
 def end_to_end(records, rows):
-    """Eager forward + backward through autograd, host included, against torch.softmax."""
+    """Eager forward + backward through autograd, host included, against torch.softmax called in
+    turn with it (`flashmax bench --modes eager`'s timing)."""
     import flashmax
+    from flashmax.bench.timing import Budget, measure_alternating
 
-    def train_step(op):
-        def step(x):
+    def train_step(op, x):
+        def step():
             y = op(x)
             torch.autograd.grad(y, x, y)
         return step
 
     for n in (1024, 32768):
         x = torch.randn(rows, n, device="cuda", requires_grad=True)
-        ours = eager_us(train_step(flashmax.sparsemax), x)
-        softmax = eager_us(train_step(lambda t: torch.softmax(t, -1)), x)
+        ours, softmax = (timing.median_us for timing in measure_alternating(
+            train_step(flashmax.sparsemax, x), train_step(lambda t: torch.softmax(t, -1), x),
+            x.device, Budget(gpu_ms=100, cpu_runs=0)))
         fwd = eager_us(lambda t: flashmax.sparsemax(t.detach()), x)
         launch = eager_us(lambda t: kernels.sparsemax_forward(t.detach(), 1), x)
         records.append(dict(mode="end-to-end", variant="eager", n=n, rows=rows, dtype="float32",
