@@ -122,6 +122,12 @@ TOP_TWO_MARGIN = tl.constexpr(2.0**-20)
 # A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
 # are ties with tau (`reference.EXACT_ZERO_BELOW`).
 EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
+# A Newton step is final only from a sum that drifted little (`_newton_update`): |sum of
+# d - centre| sqrt(count) at most this, as entmax-1.5's MAX_DRIFT. The step's rounding error
+# becomes the outputs' relative error, and the partial sums' roundings grow with their size
+# and the count: an uncentred first step over hundreds of nearly tied entries (sum ~2) left
+# fp32 outputs 1e-6 to 7e-6 off under the interpreter (NOTES, session 33).
+MAX_DRIFT = tl.constexpr(4.0)
 # The split row pass's fp64 step for a tiny row starts this much of |tau| below it: within the
 # chunks' candidate margin (CANDIDATE_MARGIN), above which every entry is a candidate.
 EXACT_LOWER = tl.constexpr(2.0**-21)
@@ -210,10 +216,12 @@ def _newton_update(total, count, smallest, pivot, step, centre, done):
     """Advance (pivot, step, centre, done) by one Newton step from its sums at
     tau = pivot + step.
 
-    A step is final when every entry of the support it used stays above the new tau, and it
-    was small: a large step was computed from z - tau with tau far away, rounded to ~|tau|
-    ulps, so it is refined once more. Then |step| <= |tau|, and (z - pivot) - step rounds each
-    output nearly relative to itself, where z - tau would round tau first.
+    A step is final when every entry of the support it used stays above the new tau, it was
+    small (a large step was computed from z - tau with tau far away, rounded to ~|tau| ulps),
+    and its sum was well centred: it drifted little (MAX_DRIFT), or it was centred on this very
+    support's count, as no further step would centre it better. Otherwise it is refined once
+    more. Then |step| <= |tau|, and (z - pivot) - step rounds each output nearly relative to
+    itself, where z - tau would round tau first.
     """
     tau = pivot + step
     # No entry above tau (a streamed chunk whose entries are all <= -1, a NaN or padding row):
@@ -223,18 +231,21 @@ def _newton_update(total, count, smallest, pivot, step, centre, done):
     excess = total + tl.fma(count, centre, -1.0)
     new_step = tl.where(has_support, excess / count, 0.0)
     small = tl.abs(new_step) <= tl.abs(tau + new_step)
+    new_centre = 1.0 / count
+    centred = (tl.abs(total) * tl.sqrt(count) <= MAX_DRIFT) | (new_centre == centre)
     pivot = tl.where(done, pivot, tau)
     step = tl.where(done, step, new_step)
-    centre = tl.where(has_support, 1.0 / count, centre)
-    done = done | ((smallest > new_step) & small) | ~has_support
+    centre = tl.where(has_support, new_centre, centre)
+    done = done | ((smallest > new_step) & small & centred) | ~has_support
     return pivot, step, centre, done
 
 
 @triton.jit
-def _newton_threshold(z, tau, FEW: tl.constexpr = 0):
+def _newton_threshold(z, tau, centre, FEW: tl.constexpr = 0):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
-    allowed) from lower bounds tau [BLOCK_M], and the smallest z - pivot of the last step's
-    support (so the smallest positive output is that minus step) and its size.
+    allowed) from lower bounds tau [BLOCK_M], the last step's centre (`_step_sums`; 0 for
+    none), and the smallest z - pivot of the last step's support (so the smallest positive
+    output is that minus step) and its size.
 
     With FEW > 0 a row stops as soon as at most FEW entries lie above its pivot + step: every
     Newton iterate from below is a lower bound on the threshold, and one that leaves few
@@ -242,7 +253,6 @@ def _newton_threshold(z, tau, FEW: tl.constexpr = 0):
     """
     pivot = tau
     step = tl.zeros_like(tau)
-    centre = tl.zeros_like(tau)
     smallest = tl.full(tau.shape, float("inf"), tau.dtype)
     size = tl.zeros_like(tau)
     done = tau != tau
@@ -256,7 +266,7 @@ def _newton_threshold(z, tau, FEW: tl.constexpr = 0):
         if FEW > 0:
             done = done | (count <= FEW)
         pending = tl.sum((~done).to(tl.int32), axis=0)
-    return pivot, step, smallest, size
+    return pivot, step, centre, smallest, size
 
 
 @triton.jit
@@ -279,7 +289,10 @@ def _tile_threshold(z, group_z, GROUP: tl.constexpr, start):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0,
     starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH], found by Newton
     from lower bounds `start` [BLOCK_M] on it, and the smallest entry of the last step's
-    support (`_newton_threshold`).
+    support (`_newton_threshold`). The row's first step is centred on the group maxima's count:
+    at their tau the row's entries above it lie near 1 / that count when they are nearly tied
+    (as entmax-1.5's `_entmax_tile_threshold`), where an uncentred sum of hundreds of them
+    would round to ~1e-6 of the outputs.
 
     In a tile of one row, when that tau leaves few group maxima above it (at most
     sqrt(WIDTH): then two of them share a group, leaving one out, in less than ~40% of rows),
@@ -292,15 +305,17 @@ def _tile_threshold(z, group_z, GROUP: tl.constexpr, start):
     so they keep the full steps.
     """
     tau = start
+    centre = tl.zeros_like(tau)
     if GROUP > 1:
-        pivot, step, smallest, size = _newton_threshold(tl.expand_dims(group_z, 1), tau)
+        pivot, step, centre, smallest, size = _newton_threshold(tl.expand_dims(group_z, 1), tau,
+                                                                centre)
         if z.shape[0] == 1:
             if tl.min(_support_found(z, pivot, step, size).to(tl.int32), axis=0) == 0:
-                pivot, step, smallest, _ = _newton_threshold(z, pivot + step)
+                pivot, step, _, smallest, _ = _newton_threshold(z, pivot + step, centre)
         else:
-            pivot, step, smallest, _ = _newton_threshold(z, pivot + step)
+            pivot, step, _, smallest, _ = _newton_threshold(z, pivot + step, centre)
     else:
-        pivot, step, smallest, _ = _newton_threshold(z, tau)
+        pivot, step, _, smallest, _ = _newton_threshold(z, tau, centre)
     return pivot, step, smallest
 
 
@@ -731,8 +746,8 @@ def _sparsemax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr, share, SHARE_STE
     sum(max(d - t, 0)) = share <= 1, SHARE_STEPS Newton steps towards it (`_chunk_bounds`).
     The first of these is free: from the last iterate `pivot`, whose sum of d - pivot is
     1 + step x size, it lands (1 - share) / size above the bound."""
-    pivot, step, _, size = _newton_threshold(group_d, tl.full([1], -1.0, group_d.dtype),
-                                             BOUND_GROUPS)
+    tau = tl.full([1], -1.0, group_d.dtype)
+    pivot, step, _, _, size = _newton_threshold(group_d, tau, tl.zeros_like(tau), BOUND_GROUPS)
     bound = pivot + step
     share_bound = bound
     if SHARE_STEPS > 0:
