@@ -126,7 +126,7 @@ EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
 # d - centre| sqrt(count) at most this, as entmax-1.5's MAX_DRIFT. The step's rounding error
 # becomes the outputs' relative error, and the partial sums' roundings grow with their size
 # and the count: an uncentred first step over hundreds of nearly tied entries (sum ~2) left
-# fp32 outputs 1e-6 to 7e-6 off under the interpreter (NOTES, session 33).
+# fp32 outputs 1e-6 to 3e-5 off under the interpreter (NOTES, v68).
 MAX_DRIFT = tl.constexpr(4.0)
 # The split row pass's fp64 step for a tiny row starts this much of |tau| below it: within the
 # chunks' candidate margin (CANDIDATE_MARGIN), above which every entry is a candidate.
@@ -243,9 +243,9 @@ def _newton_update(total, count, smallest, pivot, step, centre, done):
 @triton.jit
 def _newton_threshold(z, tau, centre, FEW: tl.constexpr = 0):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
-    allowed) from lower bounds tau [BLOCK_M], the last step's centre (`_step_sums`; 0 for
-    none), and the smallest z - pivot of the last step's support (so the smallest positive
-    output is that minus step) and its size.
+    allowed) from lower bounds tau [BLOCK_M] and a first centre (`_step_sums`; 0 for none),
+    with the last step's centre, the smallest z - pivot of its support (so the smallest
+    positive output is that minus step) and the support's size.
 
     With FEW > 0 a row stops as soon as at most FEW entries lie above its pivot + step: every
     Newton iterate from below is a lower bound on the threshold, and one that leaves few
