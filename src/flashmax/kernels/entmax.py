@@ -28,15 +28,16 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, on_tensor_device
-from .sparsemax import (GRADIENT_ROW_STRIDES, ROW_THREAD_ENTRIES, SPLIT_MANY_ROWS, STATE_MAX,
-                        STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW, SplitBackward,
-                        SplitRows, TOP_TWO_MARGIN, WIDE_GROUPS_FROM, _add_add, _candidate_values,
-                        _chunk_extent, _compute_dtype, _entry_offsets, _group_max, _held_candidates,
-                        _is_bad, _load_raw_rows, _load_y_g, _map_rows, _next_power_of_2,
-                        _row_max_and_start, _row_partials, _sparsemax_top_two_start,
-                        _split_gradient_chunk, _split_row_start, _split_y_g_chunk, _store_partials,
-                        _store_rows, _strided, _support_found, _tile_threshold, _wide, kept_launch,
-                        launch_backward, launch_forward, max_block_n, row_align, rows_launch)
+from .sparsemax import (GRADIENT_ROW_STRIDES, MAX_DRIFT, ROW_THREAD_ENTRIES, SPLIT_MANY_ROWS,
+                        STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW,
+                        SplitBackward, SplitRows, TOP_TWO_MARGIN, WIDE_GROUPS_FROM, _add_add,
+                        _candidate_values, _chunk_extent, _compute_dtype, _entry_offsets,
+                        _group_max, _held_candidates, _is_bad, _load_raw_rows, _load_y_g, _map_rows,
+                        _next_power_of_2, _row_max_and_start, _row_partials,
+                        _sparsemax_top_two_start, _split_gradient_chunk, _split_row_start,
+                        _split_y_g_chunk, _store_partials, _store_rows, _strided, _support_found,
+                        _tile_threshold, _wide, kept_launch, launch_backward, launch_forward,
+                        max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -51,12 +52,6 @@ PREFETCH_ROWS = (1024, 2048)
 WIDE_GROUPS_FROM_BY_SIZE = {4: 16384}
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
-# A closed form is final only from sums that drifted little: |sum(d^2 - centre)| sqrt(count) at
-# most this. Terms whose mean is not near 0 (a centre made for another count, a tau far from the
-# root) pile up in the partial sums, whose roundings then grow with the sum and the count (about
-# u |sum| sqrt(count) / 6 summed in sequence, as the interpreter does). The closed form is then
-# only a step, and the next one is centred on its count.
-MAX_DRIFT = tl.constexpr(4.0)
 # The split row pass's tile (`SplitRows`), by n_rows >= THRESHOLD_TILE_ROWS: entries of
 # candidates, or of a chunk that stored none, summed at a time over tile / 1024 warps, one
 # program a row. H200 (NOTES, v37c): with few rows 8192 beat 4096 on rows of large supports
@@ -135,6 +130,8 @@ def _entmax_update(s1, s2, count, smallest, pivot, step, centre, done):
     pivot = tl.where(done, pivot, tau)
     step = tl.where(done, step, new_step)
     centre = tl.where(has_support, 1.0 / count, centre)
+    # A closed form is final only from sums that drifted little (sparsemax's MAX_DRIFT, here of
+    # sum(d^2 - centre)); else it is only a step, and the next one is centred on its count.
     done = done | (exact & (drift <= MAX_DRIFT)) | stuck | ~has_support
     return pivot, step, centre, done
 

@@ -122,11 +122,13 @@ TOP_TWO_MARGIN = tl.constexpr(2.0**-20)
 # A tiny fp32 row's outputs again in fp64 (`_exact_outputs`): those at most this much of |tau|
 # are ties with tau (`reference.EXACT_ZERO_BELOW`).
 EXACT_ZERO_BELOW = tl.constexpr(2.0**-44)
-# A Newton step is final only from a sum that drifted little (`_newton_update`): |sum of
-# d - centre| sqrt(count) at most this, as entmax-1.5's MAX_DRIFT. The step's rounding error
-# becomes the outputs' relative error, and the partial sums' roundings grow with their size
-# and the count: an uncentred first step over hundreds of nearly tied entries (sum ~2) left
-# fp32 outputs 1e-6 to 3e-5 off under the interpreter (NOTES, v68).
+# A Newton step (entmax-1.5's closed form too) is final only from a centred sum that drifted
+# little: |sum of d - centre| (entmax-1.5: of d^2 - centre) times sqrt(count) at most this.
+# Terms whose mean is not near 0 (a centre made for another count, a tau far from the root)
+# pile up in the partial sums, whose roundings then grow with the sum and the count (about
+# u |sum| sqrt(count) / 6 summed in sequence, as the interpreter does), and the step's rounding
+# becomes the outputs' relative error: an uncentred sparsemax step over hundreds of nearly tied
+# entries (sum ~2) left fp32 outputs 1e-6 to 3e-5 off under the interpreter (NOTES, v68).
 MAX_DRIFT = tl.constexpr(4.0)
 # The split row pass's fp64 step for a tiny row starts this much of |tau| below it: within the
 # chunks' candidate margin (CANDIDATE_MARGIN), above which every entry is a candidate.
