@@ -20,7 +20,6 @@ from .workloads import floor_name
 if TYPE_CHECKING:
     from .runner import Record, Result
 
-FLOOR = "floor (clone)"
 COLUMNS = ("features", "impl", "median µs", "p20–p80 µs", "×floor", "graph µs", "GB/s", "rel error",
            "peak MB")
 
@@ -70,7 +69,7 @@ def row(record: "Record") -> tuple[str, ...]:
 
 
 def floor_label(record: "Record") -> str:
-    return FLOOR if record.mode != "eager" else f"floor ({floor_name(record.op, record.mode)})"
+    return f"floor ({floor_name(record.op, record.mode)})"
 
 
 def floor_row(record: "Record") -> tuple[str, ...]:

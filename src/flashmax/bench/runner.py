@@ -20,7 +20,7 @@ from . import peers
 from .report import progress
 from .timing import (Budget, Timing, describe_error, measure, measure_alternating, measure_graph_replay,
                      peak_extra_mb)
-from .workloads import LOSS_OPS, TENSORS_MOVED, Workload, sweep_tokens, tensors_moved
+from .workloads import LOSS_OPS, TENSORS_MOVED, Workload, eager_reference, sweep_tokens, tensors_moved
 
 # Datasheet memory bandwidth in bytes/s, matched against the GPU's name.
 DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
@@ -100,7 +100,7 @@ class Record:
     p80_us: float | None
     graph_us: float | None  # GPU time alone, from CUDA-graph replay
     graph_note: str | None  # why graph_us is missing on a GPU
-    floor_us: float  # the same bytes moved by x.clone(), timed the same way; eager: floor_name's op
+    floor_us: float  # the same bytes moved by x.clone(), timed the same way; eager: eager_reference's op
     floor_graph_us: float | None  # the same, GPU time alone (CUDA-graph replay)
     datasheet_floor_us: float | None  # the same bytes at the GPU's datasheet bandwidth
     ratio_to_floor: float | None
@@ -132,7 +132,7 @@ class Measurement:
     rel_error: float | None = None
     peak_mb: float | None = None
     error: str | None = None
-    reference: Timing | None = None  # mode eager: floor_name's op, timed in turn with this one
+    reference: Timing | None = None  # mode eager: eager_reference's op, timed in turn with this one
 
 
 def run_bench(settings: Settings) -> Result:
@@ -186,13 +186,6 @@ def full_op(fn: peers.SparsemaxFn, x: torch.Tensor, g: torch.Tensor, dim: int) -
 MODE_OPS = {"forward": forward_op, "backward": backward_op, "full": full_op, "eager": full_op}
 
 
-def eager_reference(op: str) -> peers.SparsemaxFn:
-    """Mode eager's floor (`floor_name`): torch.softmax, or for a loss (x, target) cross_entropy."""
-    if op in LOSS_OPS:
-        return lambda x, target: torch.nn.functional.cross_entropy(x, target, reduction="none")
-    return torch.softmax
-
-
 def with_target(loss: Callable, target: torch.Tensor) -> peers.SparsemaxFn:
     return lambda x, dim: loss(x, target)
 
@@ -202,7 +195,7 @@ def measure_one(fn: peers.SparsemaxFn, workload: Workload, mode: str, settings: 
     device, budget = settings.device, settings.budget
     try:
         x, g = workload.input(device), workload.grad(device)
-        reference = eager_reference(settings.op)
+        reference = eager_reference(settings.op)[1]
         if settings.op in LOSS_OPS:  # (x, target) -> a loss a row, and its gradient one a row
             target = workload.target(device)
             fn, reference, g = with_target(fn, target), with_target(reference, target), workload.loss_grad(device)

@@ -46,8 +46,7 @@ def measure(op: Op, device: torch.device, budget: Budget) -> Timing:
 
 def _measure_cuda(op: Op, device: torch.device, budget: Budget) -> Timing:
     op()  # first call: compilation, autotuning, allocator growth
-    estimate_us = max(sum(_cuda_runs_us(op, device, 5)) / 5, 1.0)
-    runs = min(max(int(budget.gpu_ms * 1e3 / estimate_us), 10), 1000)
+    runs = _gpu_runs(budget, sum(_cuda_runs_us(op, device, 5)) / 5)
     _cuda_runs_us(op, device, max(runs // 4, 1))  # warm up clocks and caches
     return _quantiles(_cuda_runs_us(op, device, runs))
 
@@ -68,14 +67,18 @@ def measure_alternating(op: Op, reference: Op, device: torch.device, budget: Bud
         sync()
         return (time.perf_counter() - start) * 1e6
 
-    estimate_us = max(once(op), once(reference), 1.0)  # the first calls: compiling, allocator growth
-    runs = (min(max(int(budget.gpu_ms * 1e3 / estimate_us), 10), 1000) if device.type == "cuda"
-            else budget.cpu_runs)
+    estimate_us = max(once(op), once(reference))  # the first calls: compiling, allocator growth
+    runs = _gpu_runs(budget, estimate_us) if device.type == "cuda" else budget.cpu_runs
     for _ in range(max(runs // 4, 1)):  # warm up clocks and caches
         once(op)
         once(reference)
     pairs = [(once(op), once(reference)) for _ in range(runs)]
     return _quantiles([ours for ours, _ in pairs]), _quantiles([theirs for _, theirs in pairs])
+
+
+def _gpu_runs(budget: Budget, estimate_us: float) -> int:
+    """Timed runs that fill the budget's GPU time at estimate_us a run: 10 to 1000."""
+    return min(max(int(budget.gpu_ms * 1e3 / max(estimate_us, 1.0)), 10), 1000)
 
 
 @functools.cache
