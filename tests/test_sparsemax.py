@@ -737,7 +737,10 @@ def test_vmap_matches_the_op_on_each_slice(name, in_dim, dim):
     g = make_input(y.shape, -1, torch.float32, seed=50).to(DEVICE)
     (dx,) = torch.autograd.grad(y, x, g)
     (dx_want,) = torch.autograd.grad(want, x, g)
-    torch.testing.assert_close(dx, dx_want, rtol=1e-6, atol=1e-7)
+    # One launch over the batch and one a slice may sum in different orders: the backward's
+    # contract (1e-6 of |g|'s max), not bit equality. On the H100 entmax_bisect's differed by
+    # 1.5e-7 on one entry of 600.
+    torch.testing.assert_close(dx, dx_want, rtol=0, atol=1e-6 * float(g.abs().max()))
 
 
 @pytest.mark.parametrize("name", ["sparsemax", "entmax15", "entmax_bisect"])
