@@ -214,16 +214,19 @@ def _step_sums(z, tau, centre):
 
 
 @triton.jit
-def _newton_update(total, count, smallest, pivot, step, centre, done):
+def _newton_update(total, count, smallest, pivot, step, centre, done,
+                   CHECK_DRIFT: tl.constexpr):
     """Advance (pivot, step, centre, done) by one Newton step from its sums at
     tau = pivot + step.
 
     A step is final when every entry of the support it used stays above the new tau, it was
     small (a large step was computed from z - tau with tau far away, rounded to ~|tau| ulps),
-    and its sum was well centred: it drifted little (MAX_DRIFT), or it was centred on this very
-    support's count, as no further step would centre it better. Otherwise it is refined once
-    more. Then |step| <= |tau|, and (z - pivot) - step rounds each output nearly relative to
-    itself, where z - tau would round tau first.
+    and, with CHECK_DRIFT, its sum was well centred: it drifted little (MAX_DRIFT), or it was
+    centred on this very support's count, as no further step would centre it better. Otherwise
+    it is refined once more. Then |step| <= |tau|, and (z - pivot) - step rounds each output
+    nearly relative to itself, where z - tau would round tau first. Outputs of 16 bits skip
+    the drift check: the drift's rounding (at most 3e-5 of the outputs, NOTES v68) lies far
+    below theirs (2^-9 for bf16), and the steps it adds cost 2-5% on bf16 uniform rows (v69).
     """
     tau = pivot + step
     # No entry above tau (a streamed chunk whose entries are all <= -1, a NaN or padding row):
@@ -234,20 +237,22 @@ def _newton_update(total, count, smallest, pivot, step, centre, done):
     new_step = tl.where(has_support, excess / count, 0.0)
     small = tl.abs(new_step) <= tl.abs(tau + new_step)
     new_centre = 1.0 / count
-    centred = (tl.abs(total) * tl.sqrt(count) <= MAX_DRIFT) | (new_centre == centre)
+    final = (smallest > new_step) & small
+    if CHECK_DRIFT:
+        final = final & ((tl.abs(total) * tl.sqrt(count) <= MAX_DRIFT) | (new_centre == centre))
     pivot = tl.where(done, pivot, tau)
     step = tl.where(done, step, new_step)
     centre = tl.where(has_support, new_centre, centre)
-    done = done | ((smallest > new_step) & small & centred) | ~has_support
+    done = done | final | ~has_support
     return pivot, step, centre, done
 
 
 @triton.jit
-def _newton_threshold(z, tau, centre, FEW: tl.constexpr = 0):
+def _newton_threshold(z, tau, centre, CHECK_DRIFT: tl.constexpr, FEW: tl.constexpr = 0):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
-    allowed) from lower bounds tau [BLOCK_M] and a first centre (`_step_sums`; 0 for none),
-    with the last step's centre, the smallest z - pivot of its support (so the smallest
-    positive output is that minus step) and the support's size.
+    allowed) from lower bounds tau [BLOCK_M] and a first centre (`_step_sums`; 0 for none;
+    CHECK_DRIFT: `_newton_update`), with the last step's centre, the smallest z - pivot of its
+    support (so the smallest positive output is that minus step) and the support's size.
 
     With FEW > 0 a row stops as soon as at most FEW entries lie above its pivot + step: every
     Newton iterate from below is a lower bound on the threshold, and one that leaves few
@@ -264,7 +269,7 @@ def _newton_threshold(z, tau, centre, FEW: tl.constexpr = 0):
         smallest = tl.where(done, smallest, step_smallest)
         size = tl.where(done, size, count)
         pivot, step, centre, done = _newton_update(total, count, step_smallest, pivot, step,
-                                                   centre, done)
+                                                   centre, done, CHECK_DRIFT)
         if FEW > 0:
             done = done | (count <= FEW)
         pending = tl.sum((~done).to(tl.int32), axis=0)
@@ -287,7 +292,7 @@ def _support_found(z, pivot, step, size):
 
 
 @triton.jit
-def _tile_threshold(z, group_z, GROUP: tl.constexpr, start):
+def _tile_threshold(z, group_z, GROUP: tl.constexpr, start, CHECK_DRIFT: tl.constexpr):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, GROUP, WIDTH] tile of z <= 0,
     starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH], found by Newton
     from lower bounds `start` [BLOCK_M] on it, and the smallest entry of the last step's
@@ -310,14 +315,15 @@ def _tile_threshold(z, group_z, GROUP: tl.constexpr, start):
     centre = tl.zeros_like(tau)
     if GROUP > 1:
         pivot, step, centre, smallest, size = _newton_threshold(tl.expand_dims(group_z, 1), tau,
-                                                                centre)
+                                                                centre, CHECK_DRIFT)
         if z.shape[0] == 1:
             if tl.min(_support_found(z, pivot, step, size).to(tl.int32), axis=0) == 0:
-                pivot, step, _, smallest, _ = _newton_threshold(z, pivot + step, centre)
+                pivot, step, _, smallest, _ = _newton_threshold(z, pivot + step, centre,
+                                                                CHECK_DRIFT)
         else:
-            pivot, step, _, smallest, _ = _newton_threshold(z, pivot + step, centre)
+            pivot, step, _, smallest, _ = _newton_threshold(z, pivot + step, centre, CHECK_DRIFT)
     else:
-        pivot, step, _, smallest, _ = _newton_threshold(z, tau, centre)
+        pivot, step, _, smallest, _ = _newton_threshold(z, tau, centre, CHECK_DRIFT)
     return pivot, step, smallest
 
 
@@ -607,12 +613,14 @@ def _sparsemax_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
                                and entries <= GROUPWISE_EXACT_TO)
     # Tiles of several 2-byte rows start from their largest two too (v63: 16-512 bf16 entries
     # 6-14% faster on randn rows, fp32's no faster).
-    top_two: tl.constexpr = (x.shape[0] == 1 and GROUP > 1) or x.dtype.primitive_bitwidth == 16
+    half: tl.constexpr = x.dtype.primitive_bitwidth == 16
+    top_two: tl.constexpr = (x.shape[0] == 1 and GROUP > 1) or half
     x = _compute_dtype(x)
     group_max = _group_max(x)
     row_max, start = _row_max_and_start(group_max, top_two, _sparsemax_top_two_start)
     z = x - row_max[:, None, None]
-    pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP, start)
+    pivot, step, smallest = _tile_threshold(z, group_max - row_max[:, None], GROUP, start,
+                                            not half)
     return _sparsemax_tile(z, pivot, step, _is_bad(row_max), _tiny(pivot, step, smallest),
                            groupwise)
 
@@ -749,7 +757,9 @@ def _sparsemax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr, share, SHARE_STE
     The first of these is free: from the last iterate `pivot`, whose sum of d - pivot is
     1 + step x size, it lands (1 - share) / size above the bound."""
     tau = tl.full([1], -1.0, group_d.dtype)
-    pivot, step, _, _, size = _newton_threshold(group_d, tau, tl.zeros_like(tau), BOUND_GROUPS)
+    # A lower bound, not an output: no drift check.
+    pivot, step, _, _, size = _newton_threshold(group_d, tau, tl.zeros_like(tau), False,
+                                                BOUND_GROUPS)
     bound = pivot + step
     share_bound = bound
     if SHARE_STEPS > 0:
@@ -979,6 +989,7 @@ def sparsemax_split_threshold_kernel(
     tile holds them)."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    half: tl.constexpr = X.dtype.element_ty.primitive_bitwidth == 16
     row_max, tau = _split_row_start(PART, row, n_splits, SPLITS, compute, -1.0)
     pivot = tau
     step = tl.zeros_like(tau)
@@ -998,7 +1009,7 @@ def sparsemax_split_threshold_kernel(
                 x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, pivot + step,
                 centre, CHUNK, SPLITS, WIDTH, WIDE)
         pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
-                                                   done)
+                                                   done, not half)
         pending = tl.sum((~done).to(tl.int32), axis=0)
     zero_below = _zero_below(pivot + step)
     if compute == tl.float32:
