@@ -226,7 +226,7 @@ def _newton_update(total, count, smallest, pivot, step, centre, done,
     it is refined once more. Then |step| <= |tau|, and (z - pivot) - step rounds each output
     nearly relative to itself, where z - tau would round tau first. Outputs of 16 bits skip
     the drift check: the drift's rounding (at most 3e-5 of the outputs, NOTES v68) lies far
-    below theirs (2^-9 for bf16), and the steps it adds cost 2-5% on bf16 uniform rows (v69).
+    below theirs (up to 2^-8 for bf16), and its steps cost 2-5% on bf16 uniform rows (v69).
     """
     tau = pivot + step
     # No entry above tau (a streamed chunk whose entries are all <= -1, a NaN or padding row):
