@@ -183,6 +183,68 @@ def test_split_row_pass_wider_than_its_held_tile(dist):
     assert_close_to_oracle(forward(x, chunk=128).cpu(), x.cpu(), -1, rtol=1e-6)
 
 
+# The interpreter runs a jit function from its source with its module's globals: a spy on one
+# names the original and its record here.
+_compacted_candidates = kernels._compacted_candidates
+COMPACTIONS_FITTED = []
+
+
+@triton.jit
+def _recorded_compaction(*args):
+    fits, z = _compacted_candidates(*args)
+    COMPACTIONS_FITTED.append(bool(fits))
+    return fits, z
+
+
+def spy_on_compaction(monkeypatch) -> list:
+    """Under the interpreter, whether each row pass's compaction fitted
+    (`_compacted_candidates`), in launch order; on the GPU the list stays empty."""
+    COMPACTIONS_FITTED.clear()
+    if not ON_GPU:
+        monkeypatch.setattr(kernels, "_compacted_candidates", _recorded_compaction)
+    return COMPACTIONS_FITTED
+
+
+# Dense rows' candidates (all above each chunk's own bound) overflow the row pass's held tile;
+# with compact_tile the pass keeps those above its start, in scratch in a chunk of y that pass
+# 3 writes whole. A chunk of -inf (no candidates) and, with early zeros, chunks of at most 32
+# candidates are the roomiest but must not hold it: pass 3 writes only their candidates'
+# slots, and the scratch would stay. Rows within 1e-6 (the whole row their support) overflow
+# the compacted tile too, and are read at each step.
+@pytest.mark.parametrize("dist", ["rand", "rand-masked-chunk", "near"])
+@pytest.mark.parametrize("config", [{}, {"early_zeros": 32}], ids=["rewritten", "early-zeros"])
+def test_split_row_pass_compacts_dense_rows(monkeypatch, dist, config):
+    fitted = spy_on_compaction(monkeypatch)
+    rows, n, launch = ((3, 1 << 22, dict(compact_tile=8192)) if ON_GPU and dist != "near" else
+                       (2, 8192, dict(chunk=512, threshold_tile=64, compact_tile=4096)))
+    x = make(dist.split("-")[0], rows, n, seed=27)
+    if dist == "rand-masked-chunk":
+        x[:, 512:1024] = -torch.inf
+    y = forward(x, **launch, **config)
+    assert fitted == ([] if ON_GPU else [dist != "near"] * rows), fitted
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_split_row_pass_compacts_every_dtype(monkeypatch, dtype):
+    """The scratch holds x's values in y's dtype, 2 to 8 bytes."""
+    fitted = spy_on_compaction(monkeypatch)
+    x = make("rand", 1, 8192, dtype, seed=29)
+    y = forward(x, chunk=512, threshold_tile=64, compact_tile=4096)
+    assert fitted == ([] if ON_GPU else [True]), fitted
+    assert_close_to_oracle(y.cpu().double(), x.cpu().double(), -1,
+                           rtol=1e-12 if dtype == torch.float64 else 1e-2)
+
+
+def test_split_row_pass_too_many_to_compact(monkeypatch):
+    """Candidates above the start that overflow the compacted tile: read at each step."""
+    fitted = spy_on_compaction(monkeypatch)
+    x = make("rand", 1, 4000, seed=28)
+    y = forward(x, chunk=256, threshold_tile=64, compact_tile=16)
+    assert fitted == ([] if ON_GPU else [False]), fitted
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+
+
 @pytest.mark.parametrize("op", ["sparsemax", "entmax15"])
 @pytest.mark.parametrize("dist", ["rand", "randn", "tiny", "offset", "ties", "masked",
                                   "rand-masked-chunk"])

@@ -363,6 +363,9 @@ class Entmax15SplitRows(SplitRows):
     def default_threshold_tile(n_rows: int) -> int:
         return THRESHOLD_TILE[n_rows >= THRESHOLD_TILE_ROWS]
 
+    def threshold_options(self) -> dict:
+        return dict(HELD_WIDTH=self.held_width)
+
     @staticmethod
     def default_share_steps(n_rows: int, element_size: int) -> int:
         many = n_rows >= SPLIT_MANY_ROWS

@@ -177,6 +177,10 @@ SPARSE_WRITE = 1024
 # SPARSE_WRITE candidates lost 3-14% on those (rand, randn x 0.01), and rows of 16384-entry
 # chunks (8 x 1048576 before v42, one program a SM) lost 7-13% whatever the cap.
 SPLIT_EARLY_ZEROS = {False: 0, True: 64}
+# Split pass 2 on rows whose candidates do not fit its held tile: the tile of those above its
+# start that it compacts and keeps across its Newton steps (`_compacted_candidates`), 0 for
+# none. Off until timed (NOTES v70): predicted 70 -> ~20 us on 1 x 4194304 uniform rows.
+SPLIT_COMPACT_TILE = 0
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk),
 # by n_rows >= SPLIT_MANY_ROWS, and keeps a row's candidates in registers across its steps
 # when a tile of HELD_TILE holds them (v42). H200 (NOTES v42b, v44): with a held tile as
@@ -945,6 +949,63 @@ def _held_sums(z, tau, centre):
 
 
 @triton.jit
+def _compacted_candidates(X, Y, PART, row, n_splits, n, inner,
+                          x_stride_outer, x_stride_inner, x_stride_n,
+                          y_stride_outer, y_stride_inner, y_stride_n, row_max, tau,
+                          CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
+                          COMPACT: tl.constexpr, EARLY_ZEROS: tl.constexpr,
+                          WIDE: tl.constexpr):
+    """Whether a split row's candidates above tau [1] (a lower bound on its threshold: they
+    hold its support) fit in a tile of COMPACT, and if so that tile as z = x - max [1, 1,
+    COMPACT], -inf past them: one read of the candidates, the kept ones stored in turn into
+    scratch, the free slots of the row's chunk with the most of them among those that pass 3
+    writes whole (more than EARLY_ZEROS candidates, or none stored), and read back.
+
+    Dense rows have tens of thousands of candidates, of which a few thousand lie above the
+    row pass's start (1 x 4194304 uniform: 4614 of 47143, NOTES session 34), and the Newton
+    steps then go over those, in registers, instead of reading all of them each step."""
+    scratch = tl.zeros([1], tl.int32)
+    room = tl.zeros([1], tl.int32)
+    for first in range(0, n_splits, SPLITS):
+        splits = first + tl.arange(0, SPLITS)
+        length, count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
+        rewritten = (count > EARLY_ZEROS) | ~stored
+        free = tl.where(rewritten, length - tl.where(stored, 2 * count, 0), 0)
+        most = tl.max(free, 0)
+        # The first chunk of this group with the most free slots, if more than so far.
+        at = tl.min(tl.where(free == most, splits, n_splits), 0)
+        start = at * CHUNK + tl.sum(tl.where(splits == at, tl.where(stored, 2 * count, 0), 0), 0)
+        scratch = tl.where(most > room, start, scratch)
+        room = tl.maximum(room, most)
+    room = tl.minimum(room, COMPACT)
+    kept = tl.zeros([1], tl.int32)
+    for first in range(0, n_splits, SPLITS):
+        splits = first + tl.arange(0, SPLITS)
+        length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
+        width = tl.where(stored, stored_count, length)
+        for offset in range(0, tl.max(width, 0), WIDTH):
+            x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
+                                  x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
+                                  y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE)
+            x = tl.reshape(x, [SPLITS * WIDTH])
+            keep = (x.to(tau.dtype) - row_max) > tau
+            slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer,
+                                        y_stride_inner, y_stride_n, WIDE),
+                     x.to(Y.dtype.element_ty), mask=keep & (slot < room))
+            kept += tl.sum(keep.to(tl.int32), 0)
+    fits = kept <= room
+    # The stores above by every thread, before any thread reads them back.
+    tl.debug_barrier()
+    slot = tl.arange(0, COMPACT)
+    x = tl.load(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer, y_stride_inner,
+                                   y_stride_n, WIDE),
+                mask=(slot < kept) & fits, other=-float("inf"))
+    return tl.max(fits.to(tl.int32), 0) > 0, tl.reshape(x.to(row_max.dtype) - row_max,
+                                                       [1, 1, COMPACT])
+
+
+@triton.jit
 def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.constexpr,
                      FLOOR: tl.constexpr):
     """A split row's max [1] from its chunks' (PART), and their best bound on its threshold
@@ -982,11 +1043,12 @@ def sparsemax_split_threshold_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
-    HELD_WIDTH: tl.constexpr,
+    HELD_WIDTH: tl.constexpr, COMPACT: tl.constexpr, EARLY_ZEROS: tl.constexpr,
 ):
     """Split pass 2, one program per row: the row's max and exact tau, by Newton from the best
-    chunk bound over the chunks' candidates (held in registers when a [SPLITS, HELD_WIDTH]
-    tile holds them)."""
+    chunk bound over the chunks' candidates: held in registers when a [SPLITS, HELD_WIDTH]
+    tile holds them, else (COMPACT > 0) those above the start when a tile of COMPACT holds
+    them (`_compacted_candidates`), else read at each step."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     half: tl.constexpr = X.dtype.element_ty.primitive_bitwidth == 16
@@ -999,10 +1061,21 @@ def sparsemax_split_threshold_kernel(
     held, z = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
                                x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
                                y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE)
+    compacted = held & ~held
+    COMPACT_WIDTH: tl.constexpr = COMPACT if COMPACT > 0 else 1
+    compact_z = tl.full([1, 1, COMPACT_WIDTH], -float("inf"), compute)
+    if COMPACT > 0:
+        if ~held & (tl.sum(done.to(tl.int32), axis=0) == 0):
+            compacted, compact_z = _compacted_candidates(
+                X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
+                x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, CHUNK,
+                SPLITS, WIDTH, COMPACT, EARLY_ZEROS, WIDE)
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
         if held:
             total, count, smallest = _held_sums(z, pivot + step, centre)
+        elif compacted:
+            total, count, smallest = _held_sums(compact_z, pivot + step, centre)
         else:
             total, count, smallest = _candidate_sums(
                 X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
@@ -1426,7 +1499,9 @@ class SplitRows:
     `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
     `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
     `share_steps` its `default_share_steps(n_rows, element_size)`, `max_registers` caps pass
-    1's registers a thread (Triton's maxnreg; None: as ptxas chooses).
+    1's registers a thread (Triton's maxnreg; None: as ptxas chooses), `compact_tile` (default
+    SPLIT_COMPACT_TILE; 0: none) the tile of candidates above its start that the row pass
+    keeps when they are too many to hold whole (`_compacted_candidates`).
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
@@ -1439,7 +1514,8 @@ class SplitRows:
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
                  num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None,
-                 bound_groups=None, early_zeros=None, share_steps=None, max_registers=None):
+                 bound_groups=None, early_zeros=None, share_steps=None, max_registers=None,
+                 compact_tile=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -1474,6 +1550,7 @@ class SplitRows:
         self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits, WIDTH=self._width(splits),
                              WIDE=wide, num_warps=max(1, min(16, tile // 1024)))
         self.held_width = self._width(splits, tile=min(tile, self.held_tile))
+        self.compact_tile = SPLIT_COMPACT_TILE if compact_tile is None else compact_tile
 
     @staticmethod
     def default_threshold_tile(n_rows: int) -> int:
@@ -1504,8 +1581,13 @@ class SplitRows:
         state = self.part.new_empty((self.n_rows, STATE_SIZE.value))
         self.threshold_kernel[(self.n_rows,)](
             self.x, self.y, self.part, state, self.n_splits, self.n, self.inner, *self.strides,
-            **self.row_pass, HELD_WIDTH=self.held_width)
+            **self.row_pass, **self.threshold_options())
         return state
+
+    def threshold_options(self) -> dict:
+        """The row pass's options beside `row_pass`."""
+        return dict(HELD_WIDTH=self.held_width, COMPACT=_next_power_of_2(self.compact_tile)
+                    if self.compact_tile else 0, EARLY_ZEROS=self.early_zeros)
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """[points, 3, rows] float64: one Newton step's (sum, count, smallest) of each row at
@@ -1744,7 +1826,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
                       programs_per_sm=None, bound_groups=None, row_threads=None,
                       adjacent_values=None, early_zeros=None, share_steps=None,
-                      max_registers=None) -> torch.Tensor:
+                      max_registers=None, compact_tile=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -1754,23 +1836,24 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE's) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
-    `bound_groups`, `early_zeros` and `share_steps` (`SplitRows`), `row_threads` (`rows_launch`),
-    `adjacent_values` (`adjacent_launch`'s values), `max_registers` (`launch_rows`; split rows:
-    pass 1's, `SplitRows`). The other keyword arguments override the launch heuristics
+    `bound_groups`, `early_zeros`, `share_steps` and `compact_tile` (`SplitRows`),
+    `row_threads` (`rows_launch`), `adjacent_values` (`adjacent_launch`'s values),
+    `max_registers` (`launch_rows`; split rows: pass 1's, `SplitRows`). The other keyword arguments override the launch heuristics
     (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
                 and programs_per_sm is None and bound_groups is None and row_threads is None
                 and adjacent_values is None and early_zeros is None and share_steps is None
-                and max_registers is None)
+                and max_registers is None and compact_tile is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
     split_rows = functools.partial(
         SplitRows, group=group, num_warps=num_warps, sparse_write=sparse_write,
         threshold_tile=threshold_tile, programs_per_sm=programs_per_sm, bound_groups=bound_groups,
-        early_zeros=early_zeros, share_steps=share_steps, max_registers=max_registers)
+        early_zeros=early_zeros, share_steps=share_steps, max_registers=max_registers,
+        compact_tile=compact_tile)
     return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           row_threads=row_threads,
