@@ -185,23 +185,23 @@ def test_split_row_pass_wider_than_its_held_tile(dist):
 
 # The interpreter runs a jit function from its source with its module's globals: a spy on one
 # names the original and its record here.
-_compacted_candidates = kernels._compacted_candidates
+_compacted_tile = kernels._compacted_tile
 COMPACTIONS_FITTED = []
 
 
 @triton.jit
 def _recorded_compaction(*args):
-    fits, z = _compacted_candidates(*args)
+    fits, z = _compacted_tile(*args)
     COMPACTIONS_FITTED.append(bool(fits))
     return fits, z
 
 
 def spy_on_compaction(monkeypatch) -> list:
     """Under the interpreter, whether each row pass's compaction fitted
-    (`_compacted_candidates`), in launch order; on the GPU the list stays empty."""
+    (`_compacted_tile`), in launch order; on the GPU the list stays empty."""
     COMPACTIONS_FITTED.clear()
     if not ON_GPU:
-        monkeypatch.setattr(kernels, "_compacted_candidates", _recorded_compaction)
+        monkeypatch.setattr(kernels, "_compacted_tile", _recorded_compaction)
     return COMPACTIONS_FITTED
 
 

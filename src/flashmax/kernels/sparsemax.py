@@ -178,7 +178,7 @@ SPARSE_WRITE = 1024
 # chunks (8 x 1048576 before v42, one program a SM) lost 7-13% whatever the cap.
 SPLIT_EARLY_ZEROS = {False: 0, True: 64}
 # Split pass 2 on rows whose candidates do not fit its held tile: the tile of those above its
-# start that it compacts and keeps across its Newton steps (`_compacted_candidates`), 0 for
+# start that it compacts and keeps across its Newton steps (`_compacted_tile`), 0 for
 # none. Off until timed (NOTES v70): predicted 70 -> ~20 us on 1 x 4194304 uniform rows.
 SPLIT_COMPACT_TILE = 0
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk),
@@ -900,12 +900,15 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
                     x_stride_outer, x_stride_inner, x_stride_n,
                     y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre,
                     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
-                    WIDE: tl.constexpr):
+                    WIDE: tl.constexpr, scratch, room, COMPACT: tl.constexpr):
     """`_step_sums` of a split row at each of the taus [P] (centre [P]) over its chunks'
-    candidates (`_candidate_values`), SPLITS chunks times WIDTH entries at a time."""
+    candidates (`_candidate_values`), SPLITS chunks times WIDTH entries at a time, and how
+    many lie above tau [1]. With COMPACT, those are also stored in turn at the row's column
+    `scratch` on, the first `room` of them (`_compaction_scratch`)."""
     total = tl.zeros_like(tau)
     count = tl.zeros_like(tau)
     smallest = tl.full(tau.shape, float("inf"), tau.dtype)
+    kept = tl.zeros([1], tl.int32)
     for first in range(0, n_splits, SPLITS):
         splits = first + tl.arange(0, SPLITS)
         length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
@@ -916,7 +919,15 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
                                   y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE)
             sums = _step_sums(tl.expand_dims(x.to(tau.dtype) - row_max, 0), tau, centre)
             total, count, smallest = _add_add_min(total, count, smallest, *sums)
-    return total, count, smallest
+            if COMPACT > 0:
+                x = tl.reshape(x, [SPLITS * WIDTH])
+                keep = (x.to(tau.dtype) - row_max) > tau
+                slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
+                tl.store(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer,
+                                            y_stride_inner, y_stride_n, WIDE),
+                         x.to(Y.dtype.element_ty), mask=keep & (slot < room))
+                kept += tl.sum(keep.to(tl.int32), 0)
+    return total, count, smallest, kept
 
 
 @triton.jit
@@ -949,53 +960,39 @@ def _held_sums(z, tau, centre):
 
 
 @triton.jit
-def _compacted_candidates(X, Y, PART, row, n_splits, n, inner,
-                          x_stride_outer, x_stride_inner, x_stride_n,
-                          y_stride_outer, y_stride_inner, y_stride_n, row_max, tau,
-                          CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
-                          COMPACT: tl.constexpr, EARLY_ZEROS: tl.constexpr,
-                          WIDE: tl.constexpr):
-    """Whether a split row's candidates above tau [1] (a lower bound on its threshold: they
-    hold its support) fit in a tile of COMPACT, and if so that tile as z = x - max [1, 1,
-    COMPACT], -inf past them: one read of the candidates, the kept ones stored in turn into
-    scratch, the free slots of the row's chunk with the most of them among those that pass 3
-    writes whole (more than EARLY_ZEROS candidates, or none stored), and read back.
-
-    Dense rows have tens of thousands of candidates, of which a few thousand lie above the
-    row pass's start (1 x 4194304 uniform: 4614 of 47143, NOTES session 34), and the Newton
-    steps then go over those, in registers, instead of reading all of them each step."""
+def _compaction_scratch(PART, row, n_splits, n, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
+                        COMPACT: tl.constexpr, EARLY_ZEROS: tl.constexpr):
+    """Where a split row pass may compact the candidates above its start (`_candidate_sums`):
+    the free slots of the row's chunk with the most of them, past its stored candidates,
+    among the chunks that pass 3 writes whole (more than EARLY_ZEROS candidates, or none
+    stored): (its first free column [1], how many of them to use, at most COMPACT)."""
     scratch = tl.zeros([1], tl.int32)
     room = tl.zeros([1], tl.int32)
     for first in range(0, n_splits, SPLITS):
         splits = first + tl.arange(0, SPLITS)
         length, count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
-        rewritten = (count > EARLY_ZEROS) | ~stored
-        free = tl.where(rewritten, length - tl.where(stored, 2 * count, 0), 0)
+        used = tl.where(stored, 2 * count, 0)
+        free = tl.where((count > EARLY_ZEROS) | ~stored, length - used, 0)
         most = tl.max(free, 0)
         # The first chunk of this group with the most free slots, if more than so far.
         at = tl.min(tl.where(free == most, splits, n_splits), 0)
-        start = at * CHUNK + tl.sum(tl.where(splits == at, tl.where(stored, 2 * count, 0), 0), 0)
+        start = at * CHUNK + tl.sum(tl.where(splits == at, used, 0), 0)
         scratch = tl.where(most > room, start, scratch)
         room = tl.maximum(room, most)
-    room = tl.minimum(room, COMPACT)
-    kept = tl.zeros([1], tl.int32)
-    for first in range(0, n_splits, SPLITS):
-        splits = first + tl.arange(0, SPLITS)
-        length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
-        width = tl.where(stored, stored_count, length)
-        for offset in range(0, tl.max(width, 0), WIDTH):
-            x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
-                                  x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
-                                  y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE)
-            x = tl.reshape(x, [SPLITS * WIDTH])
-            keep = (x.to(tau.dtype) - row_max) > tau
-            slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer,
-                                        y_stride_inner, y_stride_n, WIDE),
-                     x.to(Y.dtype.element_ty), mask=keep & (slot < room))
-            kept += tl.sum(keep.to(tl.int32), 0)
+    return scratch, tl.minimum(room, COMPACT)
+
+
+@triton.jit
+def _compacted_tile(Y, row, scratch, kept, room, inner, y_stride_outer, y_stride_inner,
+                    y_stride_n, row_max, COMPACT: tl.constexpr, WIDE: tl.constexpr):
+    """Whether the `kept` candidates compacted at column `scratch` on fit its `room`, and if
+    so the tile of them as z = x - max [1, 1, COMPACT], -inf past them.
+
+    Dense rows have tens of thousands of candidates, of which a few thousand lie above the
+    row pass's start (1 x 4194304 uniform: 4614 of 47143, NOTES v70): its Newton steps then
+    go over those, in registers, instead of reading all of them each step."""
     fits = kept <= room
-    # The stores above by every thread, before any thread reads them back.
+    # The compacting stores by every thread, before any thread reads them back.
     tl.debug_barrier()
     slot = tl.arange(0, COMPACT)
     x = tl.load(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer, y_stride_inner,
@@ -1048,7 +1045,7 @@ def sparsemax_split_threshold_kernel(
     """Split pass 2, one program per row: the row's max and exact tau, by Newton from the best
     chunk bound over the chunks' candidates: held in registers when a [SPLITS, HELD_WIDTH]
     tile holds them, else (COMPACT > 0) those above the start when a tile of COMPACT holds
-    them (`_compacted_candidates`), else read at each step."""
+    them (kept by the first step's read: `_compacted_tile`), else read at each step."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     half: tl.constexpr = X.dtype.element_ty.primitive_bitwidth == 16
@@ -1066,10 +1063,18 @@ def sparsemax_split_threshold_kernel(
     compact_z = tl.full([1, 1, COMPACT_WIDTH], -float("inf"), compute)
     if COMPACT > 0:
         if ~held & (tl.sum(done.to(tl.int32), axis=0) == 0):
-            compacted, compact_z = _compacted_candidates(
+            # The first step's read also keeps the candidates above its tau, the start.
+            scratch, room = _compaction_scratch(PART, row, n_splits, n, CHUNK, SPLITS, COMPACT,
+                                                EARLY_ZEROS)
+            total, count, smallest, kept = _candidate_sums(
                 X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
-                x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, CHUNK,
-                SPLITS, WIDTH, COMPACT, EARLY_ZEROS, WIDE)
+                x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre,
+                CHUNK, SPLITS, WIDTH, WIDE, scratch, room, COMPACT)
+            pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step,
+                                                       centre, done, not half)
+            compacted, compact_z = _compacted_tile(Y, row, scratch, kept, room, inner,
+                                                   y_stride_outer, y_stride_inner, y_stride_n,
+                                                   row_max, COMPACT, WIDE)
     pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
         if held:
@@ -1077,10 +1082,10 @@ def sparsemax_split_threshold_kernel(
         elif compacted:
             total, count, smallest = _held_sums(compact_z, pivot + step, centre)
         else:
-            total, count, smallest = _candidate_sums(
+            total, count, smallest, _ = _candidate_sums(
                 X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
                 x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, pivot + step,
-                centre, CHUNK, SPLITS, WIDTH, WIDE)
+                centre, CHUNK, SPLITS, WIDTH, WIDE, 0, 0, 0)
         pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
                                                    done, not half)
         pending = tl.sum((~done).to(tl.int32), axis=0)
@@ -1091,10 +1096,10 @@ def sparsemax_split_threshold_kernel(
             # from just below tau; ties at EXACT_ZERO_BELOW of it.
             tau64 = pivot.to(tl.float64) + step.to(tl.float64)
             lower = tau64 - tl.abs(tau64) * EXACT_LOWER
-            total, count, _ = _candidate_sums(
+            total, count, _, _ = _candidate_sums(
                 X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
                 x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max.to(tl.float64),
-                lower, tl.zeros_like(lower), CHUNK, SPLITS, WIDTH, WIDE)
+                lower, tl.zeros_like(lower), CHUNK, SPLITS, WIDTH, WIDE, 0, 0, 0)
             exact = lower + (total - 1.0) / count
             pivot = exact.to(tl.float32)
             step = (exact - pivot.to(tl.float64)).to(tl.float32)
@@ -1128,10 +1133,10 @@ def sparsemax_split_sums_kernel(
     smallest = tl.full(tau.shape, float("inf"), tau.dtype)
     if tl.max((tau == tau).to(tl.int32), 0) > 0:
         row_max = tl.load(ROW_MAX + row + tl.arange(0, 1))
-        total, count, smallest = _candidate_sums(
+        total, count, smallest, _ = _candidate_sums(
             X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
             y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre, CHUNK, SPLITS,
-            WIDTH, WIDE)
+            WIDTH, WIDE, 0, 0, 0)
     count = count.to(tl.float64)
     out = STATS + points * 3 * n_rows + row
     live = points < n_points
@@ -1501,7 +1506,7 @@ class SplitRows:
     `share_steps` its `default_share_steps(n_rows, element_size)`, `max_registers` caps pass
     1's registers a thread (Triton's maxnreg; None: as ptxas chooses), `compact_tile` (default
     SPLIT_COMPACT_TILE; 0: none) the tile of candidates above its start that the row pass
-    keeps when they are too many to hold whole (`_compacted_candidates`).
+    keeps when they are too many to hold whole (`_compacted_tile`).
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
@@ -1838,8 +1843,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
     `bound_groups`, `early_zeros`, `share_steps` and `compact_tile` (`SplitRows`),
     `row_threads` (`rows_launch`), `adjacent_values` (`adjacent_launch`'s values),
-    `max_registers` (`launch_rows`; split rows: pass 1's, `SplitRows`). The other keyword arguments override the launch heuristics
-    (benchmarks, tests).
+    `max_registers` (`launch_rows`; split rows: pass 1's, `SplitRows`). The other keyword
+    arguments override the launch heuristics (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
