@@ -902,9 +902,9 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
                     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
                     WIDE: tl.constexpr, scratch, room, COMPACT: tl.constexpr):
     """`_step_sums` of a split row at each of the taus [P] (centre [P]) over its chunks'
-    candidates (`_candidate_values`), SPLITS chunks times WIDTH entries at a time, and how
-    many lie above tau [1]. With COMPACT, those are also stored in turn at the row's column
-    `scratch` on, the first `room` of them (`_compaction_scratch`)."""
+    candidates (`_candidate_values`), SPLITS chunks times WIDTH entries at a time. With
+    COMPACT, also how many lie above tau [1] (else 0), the first `room` of them stored in turn
+    at the row's column `scratch` on (`_compaction_scratch`)."""
     total = tl.zeros_like(tau)
     count = tl.zeros_like(tau)
     smallest = tl.full(tau.shape, float("inf"), tau.dtype)
