@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite on the GPU (FLASHMAX_TEST_DEVICE=cuda): one pytest process per test file, at
 # most JOBS at once, each keeping to 2 CPU threads, each with its own time limit. Triton's
-# compiles and the fp64 oracles are CPU-bound and the machine has 16 cores: in session 34, ten
+# compiles and the fp64 oracles are CPU-bound and the machine has 16 cores: in session 34, nine
 # files at once, each with torch's default threads, left test_kernels unfinished after 250 s
 # (alone: 78 s). The logs come back as one file, $OUT/tests.tar.gz (a call returns at most 8
 # files); each file's summary line and its failures are printed last.
