@@ -900,7 +900,7 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
                     x_stride_outer, x_stride_inner, x_stride_n,
                     y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre,
                     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
-                    WIDE: tl.constexpr, scratch, room, COMPACT: tl.constexpr):
+                    WIDE: tl.constexpr, scratch=0, room=0, COMPACT: tl.constexpr = 0):
     """`_step_sums` of a split row at each of the taus [P] (centre [P]) over its chunks'
     candidates (`_candidate_values`), SPLITS chunks times WIDTH entries at a time. With
     COMPACT, also how many lie above tau [1] (else 0), the first `room` of them stored in turn
@@ -917,11 +917,12 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
             x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
                                   x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
                                   y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE)
-            sums = _step_sums(tl.expand_dims(x.to(tau.dtype) - row_max, 0), tau, centre)
+            z = x.to(tau.dtype) - row_max
+            sums = _step_sums(tl.expand_dims(z, 0), tau, centre)
             total, count, smallest = _add_add_min(total, count, smallest, *sums)
             if COMPACT > 0:
                 x = tl.reshape(x, [SPLITS * WIDTH])
-                keep = (x.to(tau.dtype) - row_max) > tau
+                keep = tl.reshape(z, [SPLITS * WIDTH]) > tau
                 slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
                 tl.store(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer,
                                             y_stride_inner, y_stride_n, WIDE),
@@ -1085,7 +1086,7 @@ def sparsemax_split_threshold_kernel(
             total, count, smallest, _ = _candidate_sums(
                 X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
                 x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, pivot + step,
-                centre, CHUNK, SPLITS, WIDTH, WIDE, 0, 0, 0)
+                centre, CHUNK, SPLITS, WIDTH, WIDE)
         pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
                                                    done, not half)
         pending = tl.sum((~done).to(tl.int32), axis=0)
@@ -1099,7 +1100,7 @@ def sparsemax_split_threshold_kernel(
             total, count, _, _ = _candidate_sums(
                 X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
                 x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max.to(tl.float64),
-                lower, tl.zeros_like(lower), CHUNK, SPLITS, WIDTH, WIDE, 0, 0, 0)
+                lower, tl.zeros_like(lower), CHUNK, SPLITS, WIDTH, WIDE)
             exact = lower + (total - 1.0) / count
             pivot = exact.to(tl.float32)
             step = (exact - pivot.to(tl.float64)).to(tl.float32)
@@ -1136,7 +1137,7 @@ def sparsemax_split_sums_kernel(
         total, count, smallest, _ = _candidate_sums(
             X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner, x_stride_n,
             y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre, CHUNK, SPLITS,
-            WIDTH, WIDE, 0, 0, 0)
+            WIDTH, WIDE)
     count = count.to(tl.float64)
     out = STATS + points * 3 * n_rows + row
     live = points < n_points
