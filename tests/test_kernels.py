@@ -206,11 +206,11 @@ def spy_on_compaction(monkeypatch) -> list:
 
 
 # Dense rows' candidates (all above each chunk's own bound) overflow the row pass's held tile;
-# with compact_tile the pass keeps those above its start, in scratch in a chunk of y that pass
-# 3 writes whole. A chunk of -inf (no candidates) and, with early zeros, chunks of at most 32
-# candidates are the roomiest but must not hold it: pass 3 writes only their candidates'
-# slots, and the scratch would stay. Rows within 1e-6 (the whole row their support) overflow
-# the compacted tile too, and are read at each step.
+# with compact_tile the pass keeps those above its Newton step's tau, in scratch in a chunk of
+# y that pass 3 writes whole. A chunk of -inf (no candidates) and, with early zeros, chunks of
+# at most 32 candidates are the roomiest but must not hold it: pass 3 writes only their
+# candidates' slots, and the scratch would stay. Rows within 1e-6 (the whole row their
+# support) overflow the compacted tile at every step, and are read at each.
 @pytest.mark.parametrize("dist", ["rand", "rand-masked-chunk", "near"])
 @pytest.mark.parametrize("config", [{}, {"early_zeros": 32}], ids=["rewritten", "early-zeros"])
 def test_split_row_pass_compacts_dense_rows(monkeypatch, dist, config):
@@ -237,12 +237,16 @@ def test_split_row_pass_compacts_every_dtype(monkeypatch, dtype):
                            rtol=1e-12 if dtype == torch.float64 else 1e-2)
 
 
-def test_split_row_pass_too_many_to_compact(monkeypatch):
-    """Candidates above the start that overflow the compacted tile: read at each step."""
+@pytest.mark.parametrize("tile", [16, 128])
+def test_split_row_pass_compacts_once_they_fit(monkeypatch, tile):
+    """Candidates above the start that overflow the compacted tile: each read keeps those
+    above its tau until they fit. This uniform row of 4000 has 89 in its support and more
+    than 128 above the start (a pass that kept only the first step's overflowed 128 here):
+    128 fits from the second step on, 16 never and every step reads."""
     fitted = spy_on_compaction(monkeypatch)
     x = make("rand", 1, 4000, seed=28)
-    y = forward(x, chunk=256, threshold_tile=64, compact_tile=16)
-    assert fitted == ([] if ON_GPU else [False]), fitted
+    y = forward(x, chunk=256, threshold_tile=64, compact_tile=tile)
+    assert fitted == ([] if ON_GPU else [tile == 128]), fitted
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
 
 

@@ -108,6 +108,9 @@ PART_MAX, PART_BOUND, PART_COUNT, PART_SHARE = (tl.constexpr(i) for i in range(4
 STATE_SIZE = tl.constexpr(4)
 STATE_MAX, STATE_PIVOT, STATE_STEP, STATE_ZERO_BELOW = (tl.constexpr(i) for i in range(4))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
+# How far below a Newton step's tau (in x - max) split pass 2 keeps candidates when it compacts
+# them (`_candidate_sums`): later steps may go below a tau by their sums' rounding (~1e-7).
+COMPACT_MARGIN = tl.constexpr(2.0**-16)
 # fp32 rows of GROUPWISE_EXACT_FROM to _TO entries held one a program sum a tiny row's
 # fp64 step one group at a time (`_exact_outputs`). The branch is rarely taken, but its widened
 # tile takes registers from every row: measured on an H200 (NOTES, v52), 152 -> 128 registers
@@ -903,8 +906,9 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
                     WIDE: tl.constexpr, scratch=0, room=0, COMPACT: tl.constexpr = 0):
     """`_step_sums` of a split row at each of the taus [P] (centre [P]) over its chunks'
     candidates (`_candidate_values`), SPLITS chunks times WIDTH entries at a time. With
-    COMPACT, also how many lie above tau [1] (else 0), the first `room` of them stored in turn
-    at the row's column `scratch` on (`_compaction_scratch`)."""
+    COMPACT, also how many lie above tau [1] less COMPACT_MARGIN (else 0), the first `room` of
+    them stored in turn at the row's column `scratch` on (`_compaction_scratch`); once they
+    overflow it, the rest are only counted."""
     total = tl.zeros_like(tau)
     count = tl.zeros_like(tau)
     smallest = tl.full(tau.shape, float("inf"), tau.dtype)
@@ -921,12 +925,13 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
             sums = _step_sums(tl.expand_dims(z, 0), tau, centre)
             total, count, smallest = _add_add_min(total, count, smallest, *sums)
             if COMPACT > 0:
-                x = tl.reshape(x, [SPLITS * WIDTH])
-                keep = tl.reshape(z, [SPLITS * WIDTH]) > tau
-                slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
-                tl.store(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer,
-                                            y_stride_inner, y_stride_n, WIDE),
-                         x.to(Y.dtype.element_ty), mask=keep & (slot < room))
+                keep = tl.reshape(z, [SPLITS * WIDTH]) > tau - COMPACT_MARGIN
+                if tl.sum((kept <= room).to(tl.int32), 0) > 0:
+                    slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
+                    tl.store(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer,
+                                                y_stride_inner, y_stride_n, WIDE),
+                             tl.reshape(x, [SPLITS * WIDTH]).to(Y.dtype.element_ty),
+                             mask=keep & (slot < room))
                 kept += tl.sum(keep.to(tl.int32), 0)
     return total, count, smallest, kept
 
@@ -1045,8 +1050,9 @@ def sparsemax_split_threshold_kernel(
 ):
     """Split pass 2, one program per row: the row's max and exact tau, by Newton from the best
     chunk bound over the chunks' candidates: held in registers when a [SPLITS, HELD_WIDTH]
-    tile holds them, else (COMPACT > 0) those above the start when a tile of COMPACT holds
-    them (kept by the first step's read: `_compacted_tile`), else read at each step."""
+    tile holds them, else read at each step; with COMPACT > 0 each such read also keeps those
+    above its tau, and once a tile of COMPACT holds them (`_compacted_tile`) the later steps
+    go over that tile."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     half: tl.constexpr = X.dtype.element_ty.primitive_bitwidth == 16
@@ -1062,21 +1068,24 @@ def sparsemax_split_threshold_kernel(
     compacted = held & ~held
     COMPACT_WIDTH: tl.constexpr = COMPACT if COMPACT > 0 else 1
     compact_z = tl.full([1, 1, COMPACT_WIDTH], -float("inf"), compute)
+    pending = tl.sum((~done).to(tl.int32), axis=0)
     if COMPACT > 0:
-        if ~held & (tl.sum(done.to(tl.int32), axis=0) == 0):
-            # The first step's read also keeps the candidates above its tau, the start.
+        if ~held:
+            # Each read also keeps the candidates above its tau, until they fit the tile.
             scratch, room = _compaction_scratch(PART, row, n_splits, n, CHUNK, SPLITS, COMPACT,
                                                 EARLY_ZEROS)
-            total, count, smallest, kept = _candidate_sums(
-                X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
-                x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre,
-                CHUNK, SPLITS, WIDTH, WIDE, scratch, room, COMPACT)
-            pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step,
-                                                       centre, done, not half)
+            kept = room + 1
+            while (pending > 0) & (tl.sum((kept > room).to(tl.int32), axis=0) > 0):
+                total, count, smallest, kept = _candidate_sums(
+                    X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
+                    x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max,
+                    pivot + step, centre, CHUNK, SPLITS, WIDTH, WIDE, scratch, room, COMPACT)
+                pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step,
+                                                           centre, done, not half)
+                pending = tl.sum((~done).to(tl.int32), axis=0)
             compacted, compact_z = _compacted_tile(Y, row, scratch, kept, room, inner,
                                                    y_stride_outer, y_stride_inner, y_stride_n,
                                                    row_max, COMPACT, WIDE)
-    pending = tl.sum((~done).to(tl.int32), axis=0)
     while pending > 0:
         if held:
             total, count, smallest = _held_sums(z, pivot + step, centre)
