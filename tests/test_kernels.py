@@ -237,6 +237,18 @@ def test_split_row_pass_compacts_every_dtype(monkeypatch, dtype):
                            rtol=1e-12 if dtype == torch.float64 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_row_pass_compacts_by_default_only_4_byte_entries(monkeypatch, dtype):
+    """SPLIT_COMPACT_TILE applies to 4-byte entries: 2-byte dense rows tie too many."""
+    monkeypatch.setattr(kernels, "SPLIT_COMPACT_TILE", {False: 4096, True: 4096})
+    fitted = spy_on_compaction(monkeypatch)
+    x = make("rand", 1, 8192, dtype, seed=29)
+    y = forward(x, chunk=512, threshold_tile=64)
+    assert fitted == ([True] if dtype == torch.float32 and not ON_GPU else []), fitted
+    assert_close_to_oracle(y.cpu().double(), x.cpu().double(), -1,
+                           rtol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("tile", [16, 128])
 def test_split_row_pass_compacts_once_they_fit(monkeypatch, tile):
     """Candidates above the start that overflow the compacted tile: each read keeps those

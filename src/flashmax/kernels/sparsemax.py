@@ -181,9 +181,12 @@ SPARSE_WRITE = 1024
 # chunks (8 x 1048576 before v42, one program a SM) lost 7-13% whatever the cap.
 SPLIT_EARLY_ZEROS = {False: 0, True: 64}
 # Split pass 2 on rows whose candidates do not fit its held tile: the tile of those above its
-# start that it compacts and keeps across its Newton steps (`_compacted_tile`), 0 for
-# none. Off until timed (NOTES v70): predicted 70 -> ~20 us on 1 x 4194304 uniform rows.
-SPLIT_COMPACT_TILE = 0
+# tau that it compacts and keeps across its Newton steps (`_compacted_tile`), 0 for none, by
+# n_rows >= SPLIT_MANY_ROWS, for 4-byte entries only (2-byte uniform rows tie ~n * 2^-8
+# entries at their max, a support no tile holds). H100 (NOTES v70): 8192 halves pass 2 on
+# 1 x 4194304 fp32 uniform rows (71 -> 36 us) and costs 20% where it overflows (8 rows).
+# Off until v71, which compacts again at later reads, is timed.
+SPLIT_COMPACT_TILE = {False: 0, True: 0}
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk),
 # by n_rows >= SPLIT_MANY_ROWS, and keeps a row's candidates in registers across its steps
 # when a tile of HELD_TILE holds them (v42). H200 (NOTES v42b, v44): with a held tile as
@@ -1515,7 +1518,7 @@ class SplitRows:
     `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
     `share_steps` its `default_share_steps(n_rows, element_size)`, `max_registers` caps pass
     1's registers a thread (Triton's maxnreg; None: as ptxas chooses), `compact_tile` (default
-    SPLIT_COMPACT_TILE; 0: none) the tile of candidates above its start that the row pass
+    SPLIT_COMPACT_TILE's; 0: none) the tile of candidates above its tau that the row pass
     keeps when they are too many to hold whole (`_compacted_tile`).
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
@@ -1565,7 +1568,10 @@ class SplitRows:
         self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits, WIDTH=self._width(splits),
                              WIDE=wide, num_warps=max(1, min(16, tile // 1024)))
         self.held_width = self._width(splits, tile=min(tile, self.held_tile))
-        self.compact_tile = SPLIT_COMPACT_TILE if compact_tile is None else compact_tile
+        if compact_tile is None:
+            compact_tile = (SPLIT_COMPACT_TILE[n_rows >= SPLIT_MANY_ROWS]
+                            if x.element_size() == 4 else 0)
+        self.compact_tile = compact_tile
 
     @staticmethod
     def default_threshold_tile(n_rows: int) -> int:
