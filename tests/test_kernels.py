@@ -253,7 +253,7 @@ def test_split_row_pass_compacts_by_default_only_4_byte_entries(monkeypatch, dty
 def test_split_row_pass_compacts_once_they_fit(monkeypatch, tile):
     """Candidates above the start that overflow the compacted tile: each read keeps those
     above its tau until they fit. This uniform row of 4000 has 89 in its support and more
-    than 128 above the start (a pass that kept only the first step's overflowed 128 here):
+    than 128 above the start (a pass that compacts at the start only does not fit 128 here):
     128 fits from the second step on, 16 never and every step reads."""
     fitted = spy_on_compaction(monkeypatch)
     x = make("rand", 1, 4000, seed=28)
