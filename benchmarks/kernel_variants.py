@@ -234,16 +234,16 @@ def end_to_end(records, rows):
                             forward_op_us=fwd, forward_launch_us=launch))
 
 
-def profile_kernels(op, shapes, forwards, dtypes, reps=3):
+def profile_kernels(op, shapes, forwards, dtypes, dists, reps=3):
     """Per-kernel GPU time of each of `forwards` ({name: (kernels module, overrides)}: op's
     forward from that module with those launch overrides), median over calls, in each of
-    dtypes and its DISTS, each call on one of several inputs so that each reads x from HBM, as
+    dtypes and its `dists` (`dists(dtype)`), each call on one of several inputs so that each reads x from HBM, as
     the timings do: which pass of a multi-kernel path holds the time."""
     from torch.profiler import ProfilerActivity, profile
 
     for (rows, n), dtype in itertools.product(shapes, dtypes):
         n_inputs = cold_inputs(rows, n, dtype.itemsize)
-        for dist in DISTS[dtype]:
+        for dist in dists(dtype):
             inputs = [make(dist, rows, n, dtype, seed) for seed in range(n_inputs)]
             for name, (module, config) in forwards.items():
                 op.forward(module, inputs[0], **config)
@@ -288,6 +288,9 @@ def main():
                         help="shapes to time with the default kernel only, e.g. 512x131072")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
                         help="the dtypes to time (default: both)")
+    parser.add_argument("--dists", nargs="+", choices=sorted(set(sum(DISTS.values(), ()))),
+                        help="the input distributions to time, of those DISTS gives each dtype "
+                             "(default: all of them)")
     parser.add_argument("--columns", action="store_true",
                         help="rows are the columns of contiguous N x ROWS tensors, reduced "
                              "over dim 0 (`make`)")
@@ -296,6 +299,9 @@ def main():
                              "too, and with --variants-on-shapes each --variants')")
     args = parser.parse_args()
     dtypes = [dtype for name, dtype in DTYPES.items() if name in args.dtypes]  # DTYPES' order
+
+    def dists(dtype):
+        return [dist for dist in DISTS[dtype] if args.dists is None or dist in args.dists]
     widths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
     shapes = [(args.tokens, n) for n in widths]
     if args.shapes:
@@ -318,7 +324,7 @@ def main():
     for rows, n in shapes:
         for dtype in dtypes:
             n_inputs = cold_inputs(rows, n, dtype.itemsize)
-            for dist in DISTS[dtype]:
+            for dist in dists(dtype):
                 inputs = [make(dist, rows, n, dtype, seed, args.columns)
                           for seed in range(n_inputs)]
                 floor = gpu_time_us(lambda x: x.clone(), inputs)[0]
@@ -391,7 +397,7 @@ def main():
             profiled.update((name, (module, config))
                             for name, config in json.loads(args.variants).items())
         profiled.update((name, (other, {})) for name, other in baselines.items())
-        profile_kernels(op, shapes, profiled, dtypes)
+        profile_kernels(op, shapes, profiled, dtypes, dists)
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, commit=os.environ.get("FLASHMAX_COMMIT"))
