@@ -911,7 +911,8 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
     candidates (`_candidate_values`), SPLITS chunks times WIDTH entries at a time. With
     COMPACT, also how many lie above tau [1] less COMPACT_MARGIN (else 0), the first `room` of
     them stored in turn at the row's column `scratch` on (`_compaction_scratch`); once they
-    overflow it, the rest are only counted."""
+    overflow it, the rest are neither stored nor counted (the count is then only more than
+    `room`)."""
     total = tl.zeros_like(tau)
     count = tl.zeros_like(tau)
     smallest = tl.full(tau.shape, float("inf"), tau.dtype)
@@ -928,14 +929,14 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
             sums = _step_sums(tl.expand_dims(z, 0), tau, centre)
             total, count, smallest = _add_add_min(total, count, smallest, *sums)
             if COMPACT > 0:
-                keep = tl.reshape(z, [SPLITS * WIDTH]) > tau - COMPACT_MARGIN
                 if tl.sum((kept <= room).to(tl.int32), 0) > 0:
+                    keep = tl.reshape(z, [SPLITS * WIDTH]) > tau - COMPACT_MARGIN
                     slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
                     tl.store(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer,
                                                 y_stride_inner, y_stride_n, WIDE),
                              tl.reshape(x, [SPLITS * WIDTH]).to(Y.dtype.element_ty),
                              mask=keep & (slot < room))
-                kept += tl.sum(keep.to(tl.int32), 0)
+                    kept += tl.sum(keep.to(tl.int32), 0)
     return total, count, smallest, kept
 
 
