@@ -155,7 +155,9 @@ def test_nearly_tied_supports_are_exact(config, dist, n):
 LAUNCH_OVERRIDES = [{}, {"group": 1}, {"group": 2}, {"block_m": 4}, {"num_warps": 1},
                     {"programs_per_sm": 1}, {"chunk": 128}, {"chunk": 64, "threshold_tile": 4},
                     {"chunk": 128, "early_zeros": 16}, {"chunk": 256, "bound_groups": 0},
-                    {"chunk": 128, "sparse_write": 1}, {"chunk": 128, "share_steps": 0}]
+                    {"chunk": 128, "sparse_write": 1}, {"chunk": 128, "share_steps": 0},
+                    {"chunk": 128, "prefilter_tile": 256},
+                    {"chunk": 128, "early_zeros": 16, "prefilter_tile": 256}]
 
 
 @settings(max_examples=40, deadline=None, database=None,
@@ -260,6 +262,86 @@ def test_split_row_pass_compacts_once_they_fit(monkeypatch, tile):
     y = forward(x, chunk=256, threshold_tile=64, compact_tile=tile)
     assert fitted == ([] if ON_GPU else [tile == 128]), fitted
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+
+
+_held_candidates = kernels._held_candidates
+ROWS_HELD = []
+
+
+@triton.jit
+def _recorded_held(*args):
+    held, z = _held_candidates(*args)
+    ROWS_HELD.append(bool(held))
+    return held, z
+
+
+def spy_on_held_rows(monkeypatch) -> list:
+    """Under the interpreter, whether each sparsemax row pass held its row's candidates in
+    registers (`_held_candidates`), in launch order; on the GPU the list stays empty."""
+    ROWS_HELD.clear()
+    if not ON_GPU:
+        monkeypatch.setattr(kernels, "_held_candidates", _recorded_held)
+    return ROWS_HELD
+
+
+# Dense rows' candidates overflow the row pass's held tile (64 here, 4 a chunk; ~32 each,
+# randn's ~10); with prefilter_tile (1024 here, 64 a chunk) the chunks keep those above the
+# start first, in scratch in chunks of y that pass 3 writes whole, and the row pass holds
+# them (uniform rows keep 7-19 of each chunk's; with a chunk of -inf, which takes the share
+# bound off the start, 20-38). Rows within 1e-6 (the whole row their support) keep all and
+# are read at each step; chunks whose other zeros pass 1 wrote (early zeros) keep theirs
+# where pass 1 stored them.
+@pytest.mark.parametrize("dist", ["rand", "rand-masked-chunk", "randn", "near"])
+@pytest.mark.parametrize("config", [{}, {"early_zeros": 32}], ids=["rewritten", "early-zeros"])
+def test_split_row_pass_prefilters_dense_rows(monkeypatch, dist, config):
+    held = spy_on_held_rows(monkeypatch)
+    rows, n, launch = ((3, 1 << 22, dict(prefilter_tile=8192)) if ON_GPU else
+                       (2, 8192, dict(chunk=512, threshold_tile=64)))
+    x = make(dist.split("-")[0], rows, n, seed=27)
+    if dist == "rand-masked-chunk":
+        chunk = launch.get("chunk", kernels.SPLIT_LAUNCH[False][0])
+        x[:, chunk:2 * chunk] = -torch.inf
+    if not ON_GPU:
+        forward(x, **launch, **config)
+        assert held == [False] * rows, held
+        held.clear()
+        launch["prefilter_tile"] = 1024
+    y = forward(x, **launch, **config)
+    assert held == ([] if ON_GPU else [dist != "near"] * rows), held
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_split_row_pass_prefilters_every_dtype(monkeypatch, dtype):
+    """The scratch holds x's values in y's dtype, 2 to 8 bytes."""
+    held = spy_on_held_rows(monkeypatch)
+    x = make("rand", 1, 8192, dtype, seed=29)
+    y = forward(x, chunk=512, threshold_tile=64, prefilter_tile=512)
+    assert held == ([] if ON_GPU else [True]), held
+    assert_close_to_oracle(y.cpu().double(), x.cpu().double(), -1,
+                           rtol=1e-12 if dtype == torch.float64 else 1e-2)
+
+
+def test_split_row_prefilter_overflowing_a_chunk_keeps_it_as_stored(monkeypatch):
+    """A chunk of 512 whose 200 nearly tied candidates, all above the start, overflow the 112
+    slots past them: the row pass reads that chunk's candidates where pass 1 stored them (too
+    many to hold), the other chunks' kept ones."""
+    held = spy_on_held_rows(monkeypatch)
+    x = make("rand", 1, 8192, seed=30)
+    x[0, 1024:1224] = 1.0 + torch.linspace(0, 1e-4, 200, dtype=x.dtype, device=x.device)
+    y = forward(x, chunk=512, threshold_tile=64, prefilter_tile=512)
+    assert held == ([] if ON_GPU else [False]), held
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
+
+
+def test_split_row_prefilter_is_sparsemax_alone_and_not_with_compaction():
+    x = make("rand", 1, 4096)
+    with pytest.raises(ValueError, match="prefilter_tile"):
+        forward(x, chunk=512, compact_tile=1024, prefilter_tile=256)
+    y = torch.empty_like(x)
+    with pytest.raises(ValueError, match="prefilter_tile"):
+        entmax_kernels.Entmax15SplitRows(x, y, 1, 4096, 1, (0, 0, 1), (0, 0, 1), 512, False,
+                                         prefilter_tile=256)
 
 
 @pytest.mark.parametrize("op", ["sparsemax", "entmax15"])

@@ -356,6 +356,7 @@ class Entmax15SplitRows(SplitRows):
     chunk_bound = _entmax_chunk_bound
     bound_groups_by_rows = {False: ENTMAX_BOUND_GROUPS, True: ENTMAX_BOUND_GROUPS}
     threshold_kernel = entmax15_split_threshold_kernel
+    prefilter_kernel = None  # its row pass reads the candidates as pass 1 left them
     held_tile = max(THRESHOLD_TILE.values())  # as large as its tile (not measured smaller)
     outputs = _entmax_split_outputs
 

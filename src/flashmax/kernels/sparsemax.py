@@ -102,14 +102,16 @@ ADJACENT_GRADIENT_ENTRIES = {2: 256, 4: 512, 8: 512}
 PREFETCH_WARPS_PER_SM = 8
 # Rows longer than one program's registers are split over programs, one chunk each, that
 # communicate through a small scratch: per chunk PART_SIZE values, per row STATE_SIZE. Programs
-# are numbered row * n_splits + split.
-PART_SIZE = tl.constexpr(4)
-PART_MAX, PART_BOUND, PART_COUNT, PART_SHARE = (tl.constexpr(i) for i in range(4))
+# are numbered row * n_splits + split. PART_SIZE is a power of two: its offsets are shifts.
+PART_SIZE = tl.constexpr(8)
+PART_MAX, PART_BOUND, PART_COUNT, PART_SHARE, PART_KEPT_AT, PART_KEPT = (
+    tl.constexpr(i) for i in range(6))
 STATE_SIZE = tl.constexpr(4)
 STATE_MAX, STATE_PIVOT, STATE_STEP, STATE_ZERO_BELOW = (tl.constexpr(i) for i in range(4))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
 # How far below a Newton step's tau (in x - max) split pass 2 keeps candidates when it compacts
-# them (`_candidate_sums`): later steps may go below a tau by their sums' rounding (~1e-7).
+# them (`_candidate_sums`, `split_prefilter_kernel`): later steps may go below a tau by their
+# sums' rounding (~1e-7).
 COMPACT_MARGIN = tl.constexpr(2.0**-16)
 # fp32 rows of GROUPWISE_EXACT_FROM to _TO entries held one a program sum a tiny row's
 # fp64 step one group at a time (`_exact_outputs`). The branch is rarely taken, but its widened
@@ -187,6 +189,13 @@ SPLIT_EARLY_ZEROS = {False: 0, True: 64}
 # 1 x 4194304 fp32 uniform rows (71 -> 36 us) and costs 20% where it overflows (8 rows).
 # Off until v71, which compacts again at later reads, is timed.
 SPLIT_COMPACT_TILE = {False: 0, True: 0}
+# Split rows whose candidates the row pass cannot hold: the tile of the candidates above the
+# start that `split_prefilter_kernel` keeps, all chunks at once, for the row pass to hold (0 for
+# no prefilter; the alternative to SPLIT_COMPACT_TILE's compaction by the row pass alone), by
+# n_rows >= SPLIT_MANY_ROWS. Off until v72 is timed.
+SPLIT_PREFILTER_TILE = {False: 0, True: 0}
+# The prefilter reads a chunk's candidates this many at a time.
+PREFILTER_PIECE = 1024
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk),
 # by n_rows >= SPLIT_MANY_ROWS, and keeps a row's candidates in registers across its steps
 # when a tile of HELD_TILE holds them (v42). H200 (NOTES v42b, v44): with a held tile as
@@ -725,6 +734,28 @@ def _chunk_extent(PART, row, splits, n_splits, n, CHUNK: tl.constexpr):
     return length, count, 2 * count <= length
 
 
+@triton.jit
+def _candidate_extent(PART, row, splits, n_splits, n, CHUNK: tl.constexpr,
+                      PREFILTERED: tl.constexpr):
+    """Per chunk `splits` of a row, where split pass 2 reads its candidates: (first column in
+    the chunk, how many, whether in the output): those pass 1 stored, or the whole chunk of x
+    where it stored none; with PREFILTERED, those above the row's start where
+    `split_prefilter_kernel` kept them."""
+    length, count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
+    first = tl.zeros_like(count)
+    width = tl.where(stored, count, length)
+    if PREFILTERED:
+        part = PART + (row * n_splits + splits) * PART_SIZE
+        valid = splits < n_splits
+        kept = tl.load(part + PART_KEPT, mask=valid, other=0.0).to(tl.int32)
+        filtered = kept >= 0
+        first = tl.where(filtered, tl.load(part + PART_KEPT_AT, mask=valid, other=0.0).to(
+            tl.int32), first)
+        width = tl.where(filtered, kept, width)
+        stored = stored | filtered
+    return first, width, stored
+
+
 def store_ptx(element_size: int) -> tuple[str, str]:
     """(PTX, constraints) of `_scatter`'s store of one element of that many bytes: st.global
     under the element's predicate, from the register that holds it."""
@@ -885,14 +916,15 @@ def split_bounds_kernel(
 def _candidate_values(X, Y, row, splits, stored, width, offset, inner,
                       x_stride_outer, x_stride_inner, x_stride_n,
                       y_stride_outer, y_stride_inner, y_stride_n,
-                      CHUNK: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr):
+                      CHUNK: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr, first=0):
     """Candidates offset ... offset + WIDTH of the chunks `splits` [SPLITS] of a split row
-    (`_chunk_extent`'s stored and width: the stored ones, or the whole chunk where none were),
-    as x's values [SPLITS, WIDTH], -inf past each chunk's width."""
+    (`_candidate_extent`'s stored, width and first [SPLITS, 1]: in the output from each chunk's
+    column `first` on, or the whole chunk of x where none were stored), as x's values
+    [SPLITS, WIDTH], -inf past each chunk's width."""
     slot = offset + tl.arange(0, WIDTH)[None, :]
     cols = splits[:, None] * CHUNK + slot
     live = slot < width[:, None]
-    cand = tl.load(Y + _entry_offsets(row, cols, inner, y_stride_outer, y_stride_inner,
+    cand = tl.load(Y + _entry_offsets(row, cols + first, inner, y_stride_outer, y_stride_inner,
                                       y_stride_n, WIDE),
                    mask=live & stored[:, None], other=-float("inf"))
     whole = tl.load(X + _entry_offsets(row, cols, inner, x_stride_outer, x_stride_inner,
@@ -906,7 +938,8 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
                     x_stride_outer, x_stride_inner, x_stride_n,
                     y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre,
                     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
-                    WIDE: tl.constexpr, scratch=0, room=0, COMPACT: tl.constexpr = 0):
+                    WIDE: tl.constexpr, scratch=0, room=0, COMPACT: tl.constexpr = 0,
+                    PREFILTERED: tl.constexpr = False):
     """`_step_sums` of a split row at each of the taus [P] (centre [P]) over its chunks'
     candidates (`_candidate_values`), SPLITS chunks times WIDTH entries at a time. With
     COMPACT, also how many lie above tau [1] less COMPACT_MARGIN (else 0), the first `room` of
@@ -919,12 +952,13 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
     kept = tl.zeros([1], tl.int32)
     for first in range(0, n_splits, SPLITS):
         splits = first + tl.arange(0, SPLITS)
-        length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
-        width = tl.where(stored, stored_count, length)
+        first_col, width, stored = _candidate_extent(PART, row, splits, n_splits, n, CHUNK,
+                                                     PREFILTERED)
         for offset in range(0, tl.max(width, 0), WIDTH):
             x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
                                   x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
-                                  y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE)
+                                  y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE,
+                                  first_col[:, None])
             z = x.to(tau.dtype) - row_max
             sums = _step_sums(tl.expand_dims(z, 0), tau, centre)
             total, count, smallest = _add_add_min(total, count, smallest, *sums)
@@ -945,18 +979,18 @@ def _held_candidates(X, Y, PART, row, n_splits, n, inner,
                      x_stride_outer, x_stride_inner, x_stride_n,
                      y_stride_outer, y_stride_inner, y_stride_n, row_max,
                      CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
-                     WIDE: tl.constexpr):
+                     WIDE: tl.constexpr, PREFILTERED: tl.constexpr = False):
     """Whether a split row's candidates fit in one of `_candidate_sums`' tiles (every chunk
     stored its candidates, at most WIDTH, and SPLITS covers the chunks), and if so that tile as
     z = x - max [1, SPLITS, WIDTH] (else not read): a row pass can keep it in registers across
     its Newton steps instead of reading it at each."""
     splits = tl.arange(0, SPLITS)
-    length, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
-    width = tl.where(stored, stored_count, length)
+    first_col, width, stored = _candidate_extent(PART, row, splits, n_splits, n, CHUNK,
+                                                 PREFILTERED)
     held = (n_splits <= SPLITS) & (tl.max(width, 0) <= WIDTH)
     x = _candidate_values(X, Y, row, splits, stored, tl.where(held, width, 0), 0, inner,
                           x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
-                          y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE)
+                          y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE, first_col[:, None])
     return held, tl.expand_dims(x.to(row_max.dtype) - row_max, 0)
 
 
@@ -1045,18 +1079,72 @@ def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.cons
 
 
 @triton.jit
+def split_prefilter_kernel(
+    X, Y, PART, n_splits, n, inner,
+    x_stride_outer, x_stride_inner, x_stride_n,
+    y_stride_outer, y_stride_inner, y_stride_n,
+    CHUNK: tl.constexpr, SPLITS: tl.constexpr, PIECE: tl.constexpr, WIDE: tl.constexpr,
+    HELD_WIDTH: tl.constexpr, EARLY_ZEROS: tl.constexpr,
+):
+    """Before split pass 2, one program per chunk: the chunk's candidates above its row's
+    start (`_split_row_start`, less COMPACT_MARGIN), kept in order in the output's chunk past
+    its stored candidates (the whole chunk where none were stored), their column and count in
+    PART (PART_KEPT -1: pass 2 reads the chunk's candidates as pass 1 left them).
+
+    Dense rows have tens of thousands of candidates, a tenth of them above the start
+    (1 x 4194304 uniform: 4614 of 47143, NOTES v70): kept here by all chunks at once, they fit
+    the row pass's held tile, which then takes its Newton steps in registers. Left as pass 1
+    left them: rows whose candidates a tile of HELD_WIDTH holds already, and chunks whose
+    kept ones do not fit past their stored ones, or whose other outputs pass 1 wrote (at most
+    EARLY_ZEROS candidates): pass 3 writes only their candidates' slots."""
+    pid = tl.program_id(0)
+    row = pid // n_splits
+    split = pid % n_splits + tl.arange(0, 1)
+    compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    row_max, start = _split_row_start(PART, row, n_splits, SPLITS, compute, -1.0)
+    length, count, stored = _chunk_extent(PART, row, split, n_splits, n, CHUNK)
+    width = tl.where(stored, count, length)
+    chunks = tl.arange(0, SPLITS)
+    row_widths = _candidate_extent(PART, row, chunks, n_splits, n, CHUNK, False)[1]
+    held = (n_splits <= SPLITS) & (tl.max(row_widths, 0) <= HELD_WIDTH)
+    filtering = ((tl.zeros([1], tl.int32) + held.to(tl.int32)) == 0) & ~_is_bad(row_max)
+    first_col = tl.where(stored, 2 * count, 0)
+    room = tl.where(stored & (count <= EARLY_ZEROS), 0, length - first_col)
+    kept = tl.zeros([1], tl.int32)
+    if tl.sum(filtering.to(tl.int32), 0) > 0:
+        for offset in range(0, tl.max(width, 0), PIECE):
+            x = tl.reshape(_candidate_values(X, Y, row, split, stored, width, offset, inner,
+                                             x_stride_outer, x_stride_inner, x_stride_n,
+                                             y_stride_outer, y_stride_inner, y_stride_n, CHUNK,
+                                             PIECE, WIDE), [PIECE])
+            keep = x.to(compute) - row_max > start - COMPACT_MARGIN
+            slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(Y + _entry_offsets(row, split * CHUNK + first_col + slot, inner,
+                                        y_stride_outer, y_stride_inner, y_stride_n, WIDE),
+                     x.to(Y.dtype.element_ty), mask=keep & (slot < room))
+            kept += tl.sum(keep.to(tl.int32), 0)
+    fits = filtering & (kept <= room)
+    part = PART + pid * PART_SIZE
+    tl.store(part + PART_KEPT_AT + tl.arange(0, 1), first_col.to(PART.dtype.element_ty))
+    tl.store(part + PART_KEPT + tl.arange(0, 1), tl.where(fits, kept, -1).to(
+        PART.dtype.element_ty))
+
+
+@triton.jit
 def sparsemax_split_threshold_kernel(
     X, Y, PART, STATE, n_splits, n, inner,
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
     HELD_WIDTH: tl.constexpr, COMPACT: tl.constexpr, EARLY_ZEROS: tl.constexpr,
+    PREFILTERED: tl.constexpr,
 ):
     """Split pass 2, one program per row: the row's max and exact tau, by Newton from the best
-    chunk bound over the chunks' candidates: held in registers when a [SPLITS, HELD_WIDTH]
-    tile holds them, else read at each step; with COMPACT > 0 each such read also keeps those
-    above its tau, and once a tile of COMPACT holds them (`_compacted_tile`) the later steps
-    go over that tile."""
+    chunk bound over the chunks' candidates (with PREFILTERED, those above the start that
+    `split_prefilter_kernel` kept): held in registers when a [SPLITS, HELD_WIDTH] tile holds
+    them, else read at each step; with COMPACT > 0 each such read also keeps those above its
+    tau, and once a tile of COMPACT holds them (`_compacted_tile`) the later steps go over that
+    tile."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     half: tl.constexpr = X.dtype.element_ty.primitive_bitwidth == 16
@@ -1068,7 +1156,8 @@ def sparsemax_split_threshold_kernel(
     done = _is_bad(row_max)
     held, z = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
                                x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
-                               y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE)
+                               y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE,
+                               PREFILTERED)
     compacted = held & ~held
     COMPACT_WIDTH: tl.constexpr = COMPACT if COMPACT > 0 else 1
     compact_z = tl.full([1, 1, COMPACT_WIDTH], -float("inf"), compute)
@@ -1099,7 +1188,7 @@ def sparsemax_split_threshold_kernel(
             total, count, smallest, _ = _candidate_sums(
                 X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
                 x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, pivot + step,
-                centre, CHUNK, SPLITS, WIDTH, WIDE)
+                centre, CHUNK, SPLITS, WIDTH, WIDE, PREFILTERED=PREFILTERED)
         pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
                                                    done, not half)
         pending = tl.sum((~done).to(tl.int32), axis=0)
@@ -1113,7 +1202,8 @@ def sparsemax_split_threshold_kernel(
             total, count, _, _ = _candidate_sums(
                 X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
                 x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max.to(tl.float64),
-                lower, tl.zeros_like(lower), CHUNK, SPLITS, WIDTH, WIDE)
+                lower, tl.zeros_like(lower), CHUNK, SPLITS, WIDTH, WIDE,
+                PREFILTERED=PREFILTERED)
             exact = lower + (total - 1.0) / count
             pivot = exact.to(tl.float32)
             step = (exact - pivot.to(tl.float64)).to(tl.float32)
@@ -1520,7 +1610,9 @@ class SplitRows:
     `share_steps` its `default_share_steps(n_rows, element_size)`, `max_registers` caps pass
     1's registers a thread (Triton's maxnreg; None: as ptxas chooses), `compact_tile` (default
     SPLIT_COMPACT_TILE's; 0: none) the tile of candidates above its tau that the row pass
-    keeps when they are too many to hold whole (`_compacted_tile`).
+    keeps when they are too many to hold whole (`_compacted_tile`), `prefilter_tile` (default
+    SPLIT_PREFILTER_TILE's; 0: none; not with `compact_tile`) the row pass's held tile of the
+    candidates above its start that `prefilter_kernel` keeps before it.
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
@@ -1528,13 +1620,14 @@ class SplitRows:
     bound_groups_by_rows = SPLIT_BOUND_GROUPS
     early_zeros_by_rows = SPLIT_EARLY_ZEROS
     threshold_kernel = sparsemax_split_threshold_kernel
+    prefilter_kernel = split_prefilter_kernel
     held_tile = HELD_TILE
     outputs = _outputs_within
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
                  num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None,
                  bound_groups=None, early_zeros=None, share_steps=None, max_registers=None,
-                 compact_tile=None):
+                 compact_tile=None, prefilter_tile=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -1573,6 +1666,15 @@ class SplitRows:
             compact_tile = (SPLIT_COMPACT_TILE[n_rows >= SPLIT_MANY_ROWS]
                             if x.element_size() == 4 else 0)
         self.compact_tile = compact_tile
+        if prefilter_tile is None:
+            prefilter_tile = (SPLIT_PREFILTER_TILE[n_rows >= SPLIT_MANY_ROWS]
+                              if self.prefilter_kernel is not None and not compact_tile else 0)
+        if prefilter_tile and (compact_tile or self.prefilter_kernel is None):
+            raise ValueError("prefilter_tile: the op's row pass takes no prefiltered candidates, "
+                             "or compact_tile is set too")
+        self.prefilter_tile = prefilter_tile
+        if prefilter_tile:
+            self.held_width = self._width(splits, tile=prefilter_tile)
 
     @staticmethod
     def default_threshold_tile(n_rows: int) -> int:
@@ -1601,6 +1703,12 @@ class SplitRows:
         """Pass 2: STATE [rows, STATE_SIZE], each row's max, exact (pivot, step) and the
         outputs at most which are ties."""
         state = self.part.new_empty((self.n_rows, STATE_SIZE.value))
+        if self.prefilter_tile:
+            self.prefilter_kernel[self.grid](
+                self.x, self.y, self.part, self.n_splits, self.n, self.inner, *self.strides,
+                CHUNK=self.chunk, SPLITS=self.row_pass["SPLITS"],
+                PIECE=min(PREFILTER_PIECE, self.chunk), WIDE=self.row_pass["WIDE"],
+                HELD_WIDTH=self.held_width, EARLY_ZEROS=self.early_zeros, num_warps=4)
         self.threshold_kernel[(self.n_rows,)](
             self.x, self.y, self.part, state, self.n_splits, self.n, self.inner, *self.strides,
             **self.row_pass, **self.threshold_options())
@@ -1609,7 +1717,8 @@ class SplitRows:
     def threshold_options(self) -> dict:
         """The row pass's options beside `row_pass`."""
         return dict(HELD_WIDTH=self.held_width, COMPACT=_next_power_of_2(self.compact_tile)
-                    if self.compact_tile else 0, EARLY_ZEROS=self.early_zeros)
+                    if self.compact_tile else 0, EARLY_ZEROS=self.early_zeros,
+                    PREFILTERED=self.prefilter_tile > 0)
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """[points, 3, rows] float64: one Newton step's (sum, count, smallest) of each row at
@@ -1848,7 +1957,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
                       programs_per_sm=None, bound_groups=None, row_threads=None,
                       adjacent_values=None, early_zeros=None, share_steps=None,
-                      max_registers=None, compact_tile=None) -> torch.Tensor:
+                      max_registers=None, compact_tile=None,
+                      prefilter_tile=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -1858,7 +1968,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE's) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
-    `bound_groups`, `early_zeros`, `share_steps` and `compact_tile` (`SplitRows`),
+    `bound_groups`, `early_zeros`, `share_steps`, `compact_tile` and `prefilter_tile`
+    (`SplitRows`),
     `row_threads` (`rows_launch`), `adjacent_values` (`adjacent_launch`'s values),
     `max_registers` (`launch_rows`; split rows: pass 1's, `SplitRows`). The other keyword
     arguments override the launch heuristics (benchmarks, tests).
@@ -1867,7 +1978,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
                 and chunk is None and sparse_write is None and threshold_tile is None
                 and programs_per_sm is None and bound_groups is None and row_threads is None
                 and adjacent_values is None and early_zeros is None and share_steps is None
-                and max_registers is None and compact_tile is None)
+                and max_registers is None and compact_tile is None and prefilter_tile is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -1875,7 +1986,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
         SplitRows, group=group, num_warps=num_warps, sparse_write=sparse_write,
         threshold_tile=threshold_tile, programs_per_sm=programs_per_sm, bound_groups=bound_groups,
         early_zeros=early_zeros, share_steps=share_steps, max_registers=max_registers,
-        compact_tile=compact_tile)
+        compact_tile=compact_tile, prefilter_tile=prefilter_tile)
     return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           row_threads=row_threads,
