@@ -276,11 +276,13 @@ def _recorded_held(*args):
 
 
 def spy_on_held_rows(monkeypatch) -> list:
-    """Under the interpreter, whether each sparsemax row pass held its row's candidates in
-    registers (`_held_candidates`), in launch order; on the GPU the list stays empty."""
+    """Under the interpreter, whether each row pass (sparsemax's or entmax-1.5's) held its
+    row's candidates in registers (`_held_candidates`), in launch order; on the GPU the list
+    stays empty."""
     ROWS_HELD.clear()
     if not ON_GPU:
         monkeypatch.setattr(kernels, "_held_candidates", _recorded_held)
+        monkeypatch.setattr(entmax_kernels, "_held_candidates", _recorded_held)
     return ROWS_HELD
 
 
@@ -334,14 +336,30 @@ def test_split_row_prefilter_overflowing_a_chunk_keeps_it_as_stored(monkeypatch)
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
 
 
-def test_split_row_prefilter_is_sparsemax_alone_and_not_with_compaction():
+@pytest.mark.parametrize("dist", ["rand", "randn"])
+def test_entmax15_split_row_pass_prefilters_dense_rows(monkeypatch, dist):
+    """entmax-1.5's row pass over the candidates above its start (its tau in x - max is at
+    least -2), held as sparsemax's are (a tile of 2048 here, 128 a chunk): uniform rows keep
+    58-85 of each chunk's ~150 candidates (the support ~60 a chunk)."""
+    held = spy_on_held_rows(monkeypatch)
+    rows, n, launch = ((3, 1 << 22, dict(prefilter_tile=8192)) if ON_GPU else
+                       (1, 8192, dict(chunk=512, threshold_tile=64)))
+    x = make(dist, rows, n, seed=31)
+    if not ON_GPU:
+        entmax_kernels.entmax15_forward(x, 1, out=poisoned(x), **launch)
+        assert held == [False] * rows, held
+        held.clear()
+        launch["prefilter_tile"] = 2048
+    y = entmax_kernels.entmax15_forward(x, 1, out=poisoned(x), **launch)
+    assert not (y == POISON).any(), "some outputs were never written"
+    assert held == ([] if ON_GPU else [True] * rows), held
+    assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6, oracle_fn=entmax15_oracle)
+
+
+def test_split_row_prefilter_is_not_with_compaction():
     x = make("rand", 1, 4096)
-    with pytest.raises(ValueError, match="prefilter_tile"):
+    with pytest.raises(ValueError, match="prefilter_tile and compact_tile"):
         forward(x, chunk=512, compact_tile=1024, prefilter_tile=256)
-    y = torch.empty_like(x)
-    with pytest.raises(ValueError, match="prefilter_tile"):
-        entmax_kernels.Entmax15SplitRows(x, y, 1, 4096, 1, (0, 0, 1), (0, 0, 1), 512, False,
-                                         prefilter_tile=256)
 
 
 @pytest.mark.parametrize("op", ["sparsemax", "entmax15"])

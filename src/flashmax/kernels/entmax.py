@@ -31,7 +31,7 @@ from .launch import LaunchCache, on_tensor_device
 from .sparsemax import (GRADIENT_ROW_STRIDES, MAX_DRIFT, ROW_THREAD_ENTRIES, SPLIT_MANY_ROWS,
                         STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW,
                         SplitBackward, SplitRows, TOP_TWO_MARGIN, WIDE_GROUPS_FROM, _add_add,
-                        _candidate_values, _chunk_extent, _compute_dtype, _entry_offsets,
+                        _candidate_extent, _candidate_values, _compute_dtype, _entry_offsets,
                         _group_max, _held_candidates, _is_bad, _load_raw_rows, _load_y_g, _map_rows,
                         _next_power_of_2, _row_max_and_start, _row_partials,
                         _sparsemax_top_two_start, _split_gradient_chunk, _split_row_start,
@@ -277,7 +277,7 @@ def entmax15_split_threshold_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
-    HELD_WIDTH: tl.constexpr,
+    HELD_WIDTH: tl.constexpr, PREFILTERED: tl.constexpr,
 ):
     """Split pass 2 (`Entmax15SplitRows`), one program per row: the row's max and exact tau
     in z = (x - max) / 2, by Newton from the best chunk bound over the chunks' candidates.
@@ -299,7 +299,8 @@ def entmax15_split_threshold_kernel(
     done = _is_bad(row_max)
     held, held_d = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
                                     x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
-                                    y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE)
+                                    y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE,
+                                    PREFILTERED)
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
@@ -313,19 +314,21 @@ def entmax15_split_threshold_kernel(
         else:
             for first in range(0, n_splits, SPLITS):
                 splits = first + tl.arange(0, SPLITS)
-                _, stored_count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
-                width = tl.where(stored, stored_count, 0)
+                first_col, width, stored = _candidate_extent(PART, row, splits, n_splits, n,
+                                                             CHUNK, PREFILTERED)
+                width = tl.where(stored, width, 0)
                 for offset in range(0, tl.max(width, 0), WIDTH):
                     x = _candidate_values(X, Y, row, splits, stored, width, offset, inner,
                                           x_stride_outer, x_stride_inner, x_stride_n,
                                           y_stride_outer, y_stride_inner, y_stride_n, CHUNK,
-                                          WIDTH, WIDE)
+                                          WIDTH, WIDE, first_col[:, None])
                     z = (x.to(compute) - row_max) * 0.5
                     sums = _entmax_sums(tl.expand_dims(z, 0), pivot + step, centre)
                     s1, s2, count, smallest = _add4_min(s1, s2, count, smallest, *sums)
                 if tl.min(stored.to(tl.int32), 0) == 0:
                     for split in range(first, first + SPLITS):
-                        if _chunk_extent(PART, row, split, n_splits, n, CHUNK)[2] == 0:
+                        if _candidate_extent(PART, row, split, n_splits, n, CHUNK,
+                                             PREFILTERED)[2] == 0:
                             for start in range(0, CHUNK, SPLITS * WIDTH):
                                 piece = start + tl.arange(0, SPLITS * WIDTH)
                                 cols = split * CHUNK + piece
@@ -356,7 +359,8 @@ class Entmax15SplitRows(SplitRows):
     chunk_bound = _entmax_chunk_bound
     bound_groups_by_rows = {False: ENTMAX_BOUND_GROUPS, True: ENTMAX_BOUND_GROUPS}
     threshold_kernel = entmax15_split_threshold_kernel
-    prefilter_kernel = None  # its row pass reads the candidates as pass 1 left them
+    lowest_threshold = -2.0
+    prefilter_tiles = {False: 0, True: 0}  # untimed (v72)
     held_tile = max(THRESHOLD_TILE.values())  # as large as its tile (not measured smaller)
     outputs = _entmax_split_outputs
 
@@ -365,7 +369,7 @@ class Entmax15SplitRows(SplitRows):
         return THRESHOLD_TILE[n_rows >= THRESHOLD_TILE_ROWS]
 
     def threshold_options(self) -> dict:
-        return dict(HELD_WIDTH=self.held_width)
+        return dict(HELD_WIDTH=self.held_width, PREFILTERED=self.prefilter_tile > 0)
 
     @staticmethod
     def default_share_steps(n_rows: int, element_size: int) -> int:
@@ -546,13 +550,13 @@ BACKWARD_LAUNCHES = LaunchCache(entmax15_backward_kernel)
 def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=None,
                      block_m=None, chunk=None, programs_per_sm=None, row_threads=None,
                      threshold_tile=None, bound_groups=None, early_zeros=None,
-                     share_steps=None, max_registers=None) -> torch.Tensor:
+                     share_steps=None, max_registers=None, prefilter_tile=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else contiguous of x's shape and dtype).
 
     Rows longer than `chunk` (default: the dtype's MAX_BLOCK_N) are split into chunks, in
     sparsemax's three passes (`Entmax15SplitRows`; `threshold_tile`, default THRESHOLD_TILE's,
-    as in `sparsemax_forward`, `bound_groups`, default ENTMAX_BOUND_GROUPS, `early_zeros` and
-    `share_steps`).
+    as in `sparsemax_forward`, `bound_groups`, default ENTMAX_BOUND_GROUPS, `early_zeros`,
+    `share_steps` and `prefilter_tile`).
     `programs_per_sm` and `row_threads` as in `rows_launch`, `max_registers` as in
     `sparsemax_forward`. The other keyword arguments override the launch heuristics (for benchmarks
     and tests).
@@ -560,14 +564,14 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and programs_per_sm is None and row_threads is None
                 and threshold_tile is None and bound_groups is None and early_zeros is None
-                and share_steps is None and max_registers is None)
+                and share_steps is None and max_registers is None and prefilter_tile is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
     split_rows = functools.partial(
         Entmax15SplitRows, group=group, num_warps=num_warps, threshold_tile=threshold_tile,
         programs_per_sm=programs_per_sm, bound_groups=bound_groups, early_zeros=early_zeros,
-        share_steps=share_steps, max_registers=max_registers)
+        share_steps=share_steps, max_registers=max_registers, prefilter_tile=prefilter_tile)
     return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           prefetch_rows=PREFETCH_ROWS, row_threads=row_threads,

@@ -1084,10 +1084,10 @@ def split_prefilter_kernel(
     x_stride_outer, x_stride_inner, x_stride_n,
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, PIECE: tl.constexpr, WIDE: tl.constexpr,
-    HELD_WIDTH: tl.constexpr, EARLY_ZEROS: tl.constexpr,
+    HELD_WIDTH: tl.constexpr, EARLY_ZEROS: tl.constexpr, FLOOR: tl.constexpr,
 ):
     """Before split pass 2, one program per chunk: the chunk's candidates above its row's
-    start (`_split_row_start`, less COMPACT_MARGIN), kept in order in the output's chunk past
+    start (`_split_row_start` with the op's lowest threshold FLOOR, less COMPACT_MARGIN), kept in order in the output's chunk past
     its stored candidates (the whole chunk where none were stored), their column and count in
     PART (PART_KEPT -1: pass 2 reads the chunk's candidates as pass 1 left them).
 
@@ -1101,7 +1101,7 @@ def split_prefilter_kernel(
     row = pid // n_splits
     split = pid % n_splits + tl.arange(0, 1)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    row_max, start = _split_row_start(PART, row, n_splits, SPLITS, compute, -1.0)
+    row_max, start = _split_row_start(PART, row, n_splits, SPLITS, compute, FLOOR)
     length, count, stored = _chunk_extent(PART, row, split, n_splits, n, CHUNK)
     width = tl.where(stored, count, length)
     chunks = tl.arange(0, SPLITS)
@@ -1612,7 +1612,7 @@ class SplitRows:
     SPLIT_COMPACT_TILE's; 0: none) the tile of candidates above its tau that the row pass
     keeps when they are too many to hold whole (`_compacted_tile`), `prefilter_tile` (default
     SPLIT_PREFILTER_TILE's; 0: none; not with `compact_tile`) the row pass's held tile of the
-    candidates above its start that `prefilter_kernel` keeps before it.
+    candidates above its start that `split_prefilter_kernel` keeps before it.
     Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
     and outputs."""
 
@@ -1620,7 +1620,8 @@ class SplitRows:
     bound_groups_by_rows = SPLIT_BOUND_GROUPS
     early_zeros_by_rows = SPLIT_EARLY_ZEROS
     threshold_kernel = sparsemax_split_threshold_kernel
-    prefilter_kernel = split_prefilter_kernel
+    lowest_threshold = -1.0  # in x - max (`_split_row_start`'s FLOOR)
+    prefilter_tiles = SPLIT_PREFILTER_TILE
     held_tile = HELD_TILE
     outputs = _outputs_within
 
@@ -1667,11 +1668,9 @@ class SplitRows:
                             if x.element_size() == 4 else 0)
         self.compact_tile = compact_tile
         if prefilter_tile is None:
-            prefilter_tile = (SPLIT_PREFILTER_TILE[n_rows >= SPLIT_MANY_ROWS]
-                              if self.prefilter_kernel is not None and not compact_tile else 0)
-        if prefilter_tile and (compact_tile or self.prefilter_kernel is None):
-            raise ValueError("prefilter_tile: the op's row pass takes no prefiltered candidates, "
-                             "or compact_tile is set too")
+            prefilter_tile = 0 if compact_tile else self.prefilter_tiles[n_rows >= SPLIT_MANY_ROWS]
+        if prefilter_tile and compact_tile:
+            raise ValueError("prefilter_tile and compact_tile are alternatives: set one")
         self.prefilter_tile = prefilter_tile
         if prefilter_tile:
             self.held_width = self._width(splits, tile=prefilter_tile)
@@ -1704,11 +1703,12 @@ class SplitRows:
         outputs at most which are ties."""
         state = self.part.new_empty((self.n_rows, STATE_SIZE.value))
         if self.prefilter_tile:
-            self.prefilter_kernel[self.grid](
+            split_prefilter_kernel[self.grid](
                 self.x, self.y, self.part, self.n_splits, self.n, self.inner, *self.strides,
                 CHUNK=self.chunk, SPLITS=self.row_pass["SPLITS"],
                 PIECE=min(PREFILTER_PIECE, self.chunk), WIDE=self.row_pass["WIDE"],
-                HELD_WIDTH=self.held_width, EARLY_ZEROS=self.early_zeros, num_warps=4)
+                HELD_WIDTH=self.held_width, EARLY_ZEROS=self.early_zeros,
+                FLOOR=self.lowest_threshold, num_warps=4)
         self.threshold_kernel[(self.n_rows,)](
             self.x, self.y, self.part, state, self.n_splits, self.n, self.inner, *self.strides,
             **self.row_pass, **self.threshold_options())
