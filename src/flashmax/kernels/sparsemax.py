@@ -1087,9 +1087,10 @@ def split_prefilter_kernel(
     HELD_WIDTH: tl.constexpr, EARLY_ZEROS: tl.constexpr, FLOOR: tl.constexpr,
 ):
     """Before split pass 2, one program per chunk: the chunk's candidates above its row's
-    start (`_split_row_start` with the op's lowest threshold FLOOR, less COMPACT_MARGIN), kept in order in the output's chunk past
-    its stored candidates (the whole chunk where none were stored), their column and count in
-    PART (PART_KEPT -1: pass 2 reads the chunk's candidates as pass 1 left them).
+    start (`_split_row_start` with the op's lowest threshold FLOOR, less COMPACT_MARGIN),
+    kept in order in the output's chunk past its stored candidates (the whole chunk where
+    none were stored), their column and count in PART (PART_KEPT -1: pass 2 reads the
+    chunk's candidates as pass 1 left them).
 
     Dense rows have tens of thousands of candidates, a tenth of them above the start
     (1 x 4194304 uniform: 4614 of 47143, NOTES v70): kept here by all chunks at once, they fit
