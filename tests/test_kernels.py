@@ -228,17 +228,6 @@ def test_split_row_pass_compacts_dense_rows(monkeypatch, dist, config):
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_split_row_pass_compacts_every_dtype(monkeypatch, dtype):
-    """The scratch holds x's values in y's dtype, 2 to 8 bytes."""
-    fitted = spy_on_compaction(monkeypatch)
-    x = make("rand", 1, 8192, dtype, seed=29)
-    y = forward(x, chunk=512, threshold_tile=64, compact_tile=4096)
-    assert fitted == ([] if ON_GPU else [True]), fitted
-    assert_close_to_oracle(y.cpu().double(), x.cpu().double(), -1,
-                           rtol=1e-12 if dtype == torch.float64 else 1e-2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_row_pass_compacts_by_default_only_4_byte_entries(monkeypatch, dtype):
     """SPLIT_COMPACT_TILE applies to 4-byte entries: 2-byte dense rows tie too many."""
@@ -314,12 +303,16 @@ def test_split_row_pass_prefilters_dense_rows(monkeypatch, dist, config):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_split_row_pass_prefilters_every_dtype(monkeypatch, dtype):
-    """The scratch holds x's values in y's dtype, 2 to 8 bytes."""
-    held = spy_on_held_rows(monkeypatch)
+@pytest.mark.parametrize("launch, spy", [(dict(compact_tile=4096), spy_on_compaction),
+                                         (dict(prefilter_tile=512), spy_on_held_rows)],
+                         ids=["compact", "prefilter"])
+def test_split_row_scratch_holds_every_dtype(monkeypatch, dtype, launch, spy):
+    """The compacted or prefiltered candidates hold x's values in y's dtype, 2 to 8 bytes:
+    the compaction fits, the prefiltered row is held."""
+    recorded = spy(monkeypatch)
     x = make("rand", 1, 8192, dtype, seed=29)
-    y = forward(x, chunk=512, threshold_tile=64, prefilter_tile=512)
-    assert held == ([] if ON_GPU else [True]), held
+    y = forward(x, chunk=512, threshold_tile=64, **launch)
+    assert recorded == ([] if ON_GPU else [True]), recorded
     assert_close_to_oracle(y.cpu().double(), x.cpu().double(), -1,
                            rtol=1e-12 if dtype == torch.float64 else 1e-2)
 
