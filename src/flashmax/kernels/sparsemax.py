@@ -934,6 +934,19 @@ def _candidate_values(X, Y, row, splits, stored, width, offset, inner,
 
 
 @triton.jit
+def _store_kept(Y, row, x, keep, kept, column, room, inner, y_stride_outer, y_stride_inner,
+                y_stride_n, WIDE: tl.constexpr):
+    """Stores the entries of x [N] that `keep` marks, in order, after the `kept` [1] stored
+    before them from the row's column `column` on, those that fall within its first `room`
+    slots; returns how many are kept now (more than `room` once they overflow)."""
+    slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
+    tl.store(Y + _entry_offsets(row, column + slot, inner, y_stride_outer, y_stride_inner,
+                                y_stride_n, WIDE),
+             x.to(Y.dtype.element_ty), mask=keep & (slot < room))
+    return kept + tl.sum(keep.to(tl.int32), 0)
+
+
+@triton.jit
 def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
                     x_stride_outer, x_stride_inner, x_stride_n,
                     y_stride_outer, y_stride_inner, y_stride_n, row_max, tau, centre,
@@ -965,12 +978,9 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
             if COMPACT > 0:
                 if tl.sum((kept <= room).to(tl.int32), 0) > 0:
                     keep = tl.reshape(z, [SPLITS * WIDTH]) > tau - COMPACT_MARGIN
-                    slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
-                    tl.store(Y + _entry_offsets(row, scratch + slot, inner, y_stride_outer,
-                                                y_stride_inner, y_stride_n, WIDE),
-                             tl.reshape(x, [SPLITS * WIDTH]).to(Y.dtype.element_ty),
-                             mask=keep & (slot < room))
-                    kept += tl.sum(keep.to(tl.int32), 0)
+                    kept = _store_kept(Y, row, tl.reshape(x, [SPLITS * WIDTH]), keep, kept,
+                                       scratch, room, inner, y_stride_outer, y_stride_inner,
+                                       y_stride_n, WIDE)
     return total, count, smallest, kept
 
 
@@ -1004,6 +1014,16 @@ def _held_sums(z, tau, centre):
 
 
 @triton.jit
+def _free_slots(length, count, stored, EARLY_ZEROS: tl.constexpr):
+    """Per chunk (`_chunk_extent`'s length, count, stored): its first column past its stored
+    candidates, and how many of its slots from there pass 3 rewrites, free as scratch until
+    then: all of them in chunks it writes whole (more than EARLY_ZEROS candidates, or none
+    stored), none in the others (pass 1 wrote their zeros; pass 3 writes only their slots)."""
+    first = tl.where(stored, 2 * count, 0)
+    return first, tl.where((count > EARLY_ZEROS) | ~stored, length - first, 0)
+
+
+@triton.jit
 def _compaction_scratch(PART, row, n_splits, n, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
                         COMPACT: tl.constexpr, EARLY_ZEROS: tl.constexpr):
     """Where a split row pass may compact the candidates above its start (`_candidate_sums`):
@@ -1014,9 +1034,8 @@ def _compaction_scratch(PART, row, n_splits, n, CHUNK: tl.constexpr, SPLITS: tl.
     room = tl.zeros([1], tl.int32)
     for first in range(0, n_splits, SPLITS):
         splits = first + tl.arange(0, SPLITS)
-        length, count, stored = _chunk_extent(PART, row, splits, n_splits, n, CHUNK)
-        used = tl.where(stored, 2 * count, 0)
-        free = tl.where((count > EARLY_ZEROS) | ~stored, length - used, 0)
+        used, free = _free_slots(*_chunk_extent(PART, row, splits, n_splits, n, CHUNK),
+                                 EARLY_ZEROS)
         most = tl.max(free, 0)
         # The first chunk of this group with the most free slots, if more than so far.
         at = tl.min(tl.where(free == most, splits, n_splits), 0)
@@ -1109,8 +1128,7 @@ def split_prefilter_kernel(
     row_widths = _candidate_extent(PART, row, chunks, n_splits, n, CHUNK, False)[1]
     held = (n_splits <= SPLITS) & (tl.max(row_widths, 0) <= HELD_WIDTH)
     filtering = ((tl.zeros([1], tl.int32) + held.to(tl.int32)) == 0) & ~_is_bad(row_max)
-    first_col = tl.where(stored, 2 * count, 0)
-    room = tl.where(stored & (count <= EARLY_ZEROS), 0, length - first_col)
+    first_col, room = _free_slots(length, count, stored, EARLY_ZEROS)
     kept = tl.zeros([1], tl.int32)
     if tl.sum(filtering.to(tl.int32), 0) > 0:
         for offset in range(0, tl.max(width, 0), PIECE):
@@ -1119,11 +1137,8 @@ def split_prefilter_kernel(
                                              y_stride_outer, y_stride_inner, y_stride_n, CHUNK,
                                              PIECE, WIDE), [PIECE])
             keep = x.to(compute) - row_max > start - COMPACT_MARGIN
-            slot = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(Y + _entry_offsets(row, split * CHUNK + first_col + slot, inner,
-                                        y_stride_outer, y_stride_inner, y_stride_n, WIDE),
-                     x.to(Y.dtype.element_ty), mask=keep & (slot < room))
-            kept += tl.sum(keep.to(tl.int32), 0)
+            kept = _store_kept(Y, row, x, keep, kept, split * CHUNK + first_col, room, inner,
+                               y_stride_outer, y_stride_inner, y_stride_n, WIDE)
     fits = filtering & (kept <= room)
     part = PART + pid * PART_SIZE
     tl.store(part + PART_KEPT_AT + tl.arange(0, 1), first_col.to(PART.dtype.element_ty))
