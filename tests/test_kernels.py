@@ -230,8 +230,8 @@ def test_split_row_pass_compacts_dense_rows(monkeypatch, dist, config):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_row_pass_compacts_by_default_only_4_byte_entries(monkeypatch, dtype):
-    """SPLIT_COMPACT_TILE applies to 4-byte entries: 2-byte dense rows tie too many."""
-    monkeypatch.setattr(kernels, "SPLIT_COMPACT_TILE", {False: 4096, True: 4096})
+    """The default compaction (SPLIT_COMPACT_TILE) applies to 4-byte entries: 2-byte dense rows
+    tie too many."""
     fitted = spy_on_compaction(monkeypatch)
     x = make("rand", 1, 8192, dtype, seed=29)
     y = forward(x, chunk=512, threshold_tile=64)
@@ -339,7 +339,7 @@ def test_entmax15_split_row_pass_prefilters_dense_rows(monkeypatch, dist):
                        (1, 8192, dict(chunk=512, threshold_tile=64)))
     x = make(dist, rows, n, seed=31)
     if not ON_GPU:
-        entmax_kernels.entmax15_forward(x, 1, out=poisoned(x), **launch)
+        entmax_kernels.entmax15_forward(x, 1, out=poisoned(x), prefilter_tile=0, **launch)
         assert held == [False] * rows, held
         held.clear()
         launch["prefilter_tile"] = 2048
@@ -347,6 +347,20 @@ def test_entmax15_split_row_pass_prefilters_dense_rows(monkeypatch, dist):
     assert not (y == POISON).any(), "some outputs were never written"
     assert held == ([] if ON_GPU else [True] * rows), held
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6, oracle_fn=entmax15_oracle)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entmax15_split_row_pass_prefilters_by_default_only_4_byte_entries(monkeypatch, dtype):
+    """entmax-1.5's default prefilter (its `prefilter_tiles`, a tile of 8192 here 256 a chunk)
+    applies to 4-byte entries, the dtype timed: the fp32 row is held, the bf16 one read."""
+    held = spy_on_held_rows(monkeypatch)
+    x = make("rand", 1, 8192, dtype, seed=32)
+    y = entmax_kernels.entmax15_forward(x, 1, out=poisoned(x), chunk=512, threshold_tile=64)
+    assert not (y == POISON).any(), "some outputs were never written"
+    assert held == ([] if ON_GPU else [dtype == torch.float32]), held
+    assert_close_to_oracle(y.cpu().double(), x.cpu().double(), -1,
+                           rtol=1e-6 if dtype == torch.float32 else 1e-2,
+                           oracle_fn=entmax15_oracle)
 
 
 def test_split_row_prefilter_is_not_with_compaction():

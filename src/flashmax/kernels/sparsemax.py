@@ -185,14 +185,16 @@ SPLIT_EARLY_ZEROS = {False: 0, True: 64}
 # Split pass 2 on rows whose candidates do not fit its held tile: the tile of those above its
 # tau that it compacts and keeps across its Newton steps (`_compacted_tile`), 0 for none, by
 # n_rows >= SPLIT_MANY_ROWS, for 4-byte entries only (2-byte uniform rows tie ~n * 2^-8
-# entries at their max, a support no tile holds). H100 (NOTES v70): 8192 halves pass 2 on
-# 1 x 4194304 fp32 uniform rows (71 -> 36 us) and costs 20% where it overflows (8 rows).
-# Off until v71, which compacts again at later reads, is timed.
-SPLIT_COMPACT_TILE = {False: 0, True: 0}
+# entries at their max, a support no tile holds). H100 (NOTES v72 measured), forward fp32:
+# uniform and randn x 0.01 rows 19-47% faster at 1-2 rows, 9-31% at 8 rows, 1.5-19% at 32-128
+# rows; randn rows (held whole, never compacted) within 0.3% from 2 rows, +4.5% at 1 row.
+SPLIT_COMPACT_TILE = {False: 8192, True: 8192}
 # Split rows whose candidates the row pass cannot hold: the tile of the candidates above the
 # start that `split_prefilter_kernel` keeps, all chunks at once, for the row pass to hold (0 for
 # no prefilter; the alternative to SPLIT_COMPACT_TILE's compaction by the row pass alone), by
-# n_rows >= SPLIT_MANY_ROWS. Off until v72 is timed.
+# n_rows >= SPLIT_MANY_ROWS. Not sparsemax's default (H100, NOTES v72, a tile of 8192): its
+# launch and larger held tile cost randn rows (the bench's) 14-19% at 1-2 rows and 9-17% from
+# 8; dense rows take 16-42% less than with the compaction at 1-2 rows, more from 8.
 SPLIT_PREFILTER_TILE = {False: 0, True: 0}
 # The prefilter reads a chunk's candidates this many at a time.
 PREFILTER_PIECE = 1024
@@ -1625,11 +1627,12 @@ class SplitRows:
     `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
     `share_steps` its `default_share_steps(n_rows, element_size)`, `max_registers` caps pass
     1's registers a thread (Triton's maxnreg; None: as ptxas chooses), `compact_tile` (default
-    SPLIT_COMPACT_TILE's; 0: none) the tile of candidates above its tau that the row pass
-    keeps when they are too many to hold whole (`_compacted_tile`), `prefilter_tile` (default
-    SPLIT_PREFILTER_TILE's; 0: none; not with `compact_tile`) the row pass's held tile of the
-    candidates above its start that `split_prefilter_kernel` keeps before it.
-    Another op (entmax-1.5) subclasses it with its own chunk bound and its default, row pass
+    the op's `compact_tiles` for 4-byte entries; 0: none) the tile of candidates above its tau
+    that the row pass keeps when they are too many to hold whole (`_compacted_tile`),
+    `prefilter_tile` (default its `prefilter_tiles` for 4-byte entries; 0: none; not with
+    `compact_tile`) the row pass's held tile of the candidates above its start that
+    `split_prefilter_kernel` keeps before it.
+    Another op (entmax-1.5) subclasses it with its own chunk bound and its defaults, row pass
     and outputs."""
 
     chunk_bound = _sparsemax_chunk_bound
@@ -1637,6 +1640,7 @@ class SplitRows:
     early_zeros_by_rows = SPLIT_EARLY_ZEROS
     threshold_kernel = sparsemax_split_threshold_kernel
     lowest_threshold = -1.0  # in x - max (`_split_row_start`'s FLOOR)
+    compact_tiles = SPLIT_COMPACT_TILE
     prefilter_tiles = SPLIT_PREFILTER_TILE
     held_tile = HELD_TILE
     outputs = _outputs_within
@@ -1679,12 +1683,16 @@ class SplitRows:
         self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits, WIDTH=self._width(splits),
                              WIDE=wide, num_warps=max(1, min(16, tile // 1024)))
         self.held_width = self._width(splits, tile=min(tile, self.held_tile))
+        # Defaults for 4-byte entries only (the timed ones); either one given turns the other's
+        # default off.
+        timed_dtype = x.element_size() == 4
         if compact_tile is None:
-            compact_tile = (SPLIT_COMPACT_TILE[n_rows >= SPLIT_MANY_ROWS]
-                            if x.element_size() == 4 else 0)
+            compact_tile = (self.compact_tiles[n_rows >= SPLIT_MANY_ROWS]
+                            if timed_dtype and not prefilter_tile else 0)
         self.compact_tile = compact_tile
         if prefilter_tile is None:
-            prefilter_tile = 0 if compact_tile else self.prefilter_tiles[n_rows >= SPLIT_MANY_ROWS]
+            prefilter_tile = (self.prefilter_tiles[n_rows >= SPLIT_MANY_ROWS]
+                              if timed_dtype and not compact_tile else 0)
         if prefilter_tile and compact_tile:
             raise ValueError("prefilter_tile and compact_tile are alternatives: set one")
         self.prefilter_tile = prefilter_tile
