@@ -1176,12 +1176,19 @@ def sparsemax_split_threshold_kernel(
                                x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
                                y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE,
                                PREFILTERED)
-    compacted = held & ~held
-    COMPACT_WIDTH: tl.constexpr = COMPACT if COMPACT > 0 else 1
-    compact_z = tl.full([1, 1, COMPACT_WIDTH], -float("inf"), compute)
     pending = tl.sum((~done).to(tl.int32), axis=0)
-    if COMPACT > 0:
-        if ~held:
+    if held:
+        while pending > 0:
+            total, count, smallest = _held_sums(z, pivot + step, centre)
+            pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step,
+                                                       centre, done, not half)
+            pending = tl.sum((~done).to(tl.int32), axis=0)
+    else:
+        # Rows not held: the compacted tile's registers are not live in the held rows' loop.
+        compacted = held
+        COMPACT_WIDTH: tl.constexpr = COMPACT if COMPACT > 0 else 1
+        compact_z = tl.full([1, 1, COMPACT_WIDTH], -float("inf"), compute)
+        if COMPACT > 0:
             # Each read also keeps the candidates above its tau, until they fit the tile.
             scratch, room = _compaction_scratch(PART, row, n_splits, n, CHUNK, SPLITS, COMPACT,
                                                 EARLY_ZEROS)
@@ -1197,19 +1204,17 @@ def sparsemax_split_threshold_kernel(
             compacted, compact_z = _compacted_tile(Y, row, scratch, kept, room, inner,
                                                    y_stride_outer, y_stride_inner, y_stride_n,
                                                    row_max, COMPACT, WIDE)
-    while pending > 0:
-        if held:
-            total, count, smallest = _held_sums(z, pivot + step, centre)
-        elif compacted:
-            total, count, smallest = _held_sums(compact_z, pivot + step, centre)
-        else:
-            total, count, smallest, _ = _candidate_sums(
-                X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
-                x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max, pivot + step,
-                centre, CHUNK, SPLITS, WIDTH, WIDE, PREFILTERED=PREFILTERED)
-        pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step, centre,
-                                                   done, not half)
-        pending = tl.sum((~done).to(tl.int32), axis=0)
+        while pending > 0:
+            if compacted:
+                total, count, smallest = _held_sums(compact_z, pivot + step, centre)
+            else:
+                total, count, smallest, _ = _candidate_sums(
+                    X, Y, PART, row, n_splits, n, inner, x_stride_outer, x_stride_inner,
+                    x_stride_n, y_stride_outer, y_stride_inner, y_stride_n, row_max,
+                    pivot + step, centre, CHUNK, SPLITS, WIDTH, WIDE, PREFILTERED=PREFILTERED)
+            pivot, step, centre, done = _newton_update(total, count, smallest, pivot, step,
+                                                       centre, done, not half)
+            pending = tl.sum((~done).to(tl.int32), axis=0)
     zero_below = _zero_below(pivot + step)
     if compute == tl.float32:
         if tl.sum(_tiny(pivot, step, smallest).to(tl.int32), axis=0) > 0:
