@@ -833,8 +833,8 @@ def test_register_capped_split_pass_is_bit_identical(dist, rows, n, chunk):
 
 
 def test_register_cap_reaches_the_launch(monkeypatch):
-    """max_registers goes to Triton as maxnreg for rows held by `rows_launch`'s programs; rows
-    adjacent in memory take `adjacent_launch`'s, uncapped. Nothing runs: the launches are
+    """max_registers (default ROW_REGISTER_CAPS') goes to Triton as maxnreg for rows held by
+    `rows_launch`'s programs; rows adjacent in memory take `adjacent_launch`'s, uncapped. Nothing runs: the launches are
     recorded (`out=` keeps none to replay)."""
     launched = []
     monkeypatch.setattr(kernels.FORWARD_LAUNCHES, "launch",
@@ -845,6 +845,12 @@ def test_register_cap_reaches_the_launch(monkeypatch):
         assert launched[-1]["maxnreg"] == want, launched[-1]
     kernels.sparsemax_forward(x, 1, out=torch.empty_like(x))
     assert launched[-1]["maxnreg"] is None
+    # By default, ROW_REGISTER_CAPS' caps: 2-byte rows of 8192 and 16384 entries.
+    for dtype, n, want in [(torch.bfloat16, 8192, 128), (torch.bfloat16, 10000, 168),
+                           (torch.float32, 8192, None), (torch.bfloat16, 4096, None)]:
+        rows = torch.randn(2, n, device=DEVICE).to(dtype)
+        kernels.sparsemax_forward(rows, 1, out=torch.empty_like(rows))
+        assert launched[-1]["maxnreg"] == want, (dtype, n, launched[-1])
 
 
 def test_register_cap_reaches_split_pass_one(monkeypatch):

@@ -57,6 +57,11 @@ ONE_ROW_ENTRIES_PER_THREAD = 64
 # (NOTES, v58), bf16 randn rows 13% faster (72 registers a thread against 158), uniform rows 6%
 # slower; fp32 rows gained nothing and entmax-1.5's forward lost 10%, so they keep 2.
 HALF_ONE_ROW_WARPS = {4096: 4}
+# Sparsemax's forward caps the registers of 2-byte rows of these widths (block_n) held by
+# `rows_launch`'s programs. H100 (NOTES v65 measured), 2048 rows bf16: 8192 151 -> 128
+# registers, forward 3% faster on randn, 6% on uniform rows; 16384 255 (62 spill instructions)
+# -> 168 (12), 2.5% and 14%. fp32 was slower at every cap; 2-byte 2048 and 32768 gained nothing.
+ROW_REGISTER_CAPS = {(2, 8192): 128, (2, 16384): 168}
 # A row's group maxima lie inside each thread when its chunks (the row's GROUP parts) span the
 # layout: GROUP is the widest that does, up to GROUP_WIDEST. Sparsemax's forward and loss hold
 # rows of WIDE_GROUPS_FROM entries or more one a program with up to SPANNING_GROUP_WIDEST
@@ -1911,11 +1916,12 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
                 prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES,
                 adjacent_values=ADJACENT_THREAD_VALUES, half_warps=None,
-                wide_groups_from=None, max_registers=None):
+                wide_groups_from=None, max_registers=None, register_caps=None):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices (or, for rows
     adjacent in memory and none of rows_launch's overrides, `adjacent_launch`'s with
     adjacent_values), kept under key; rows_launch's with at most max_registers registers a
-    thread (None: as ptxas chooses)."""
+    thread (None: register_caps' cap by (entry bytes, block_n) if any, else as ptxas
+    chooses)."""
     align = row_align(x, n, x_strides, y_strides)
     adjacent = None
     if group is None and num_warps is None and block_m is None and row_threads is None:
@@ -1925,6 +1931,8 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
         launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
                              group, row_threads, thread_entries, align, half_warps,
                              wide_groups_from)
+        if max_registers is None and register_caps:
+            max_registers = register_caps.get((x.element_size(), launch.block_n))
     else:
         launch, inner, (x_strides, y_strides) = adjacent
         max_registers = None
@@ -2000,7 +2008,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `bound_groups`, `early_zeros`, `share_steps`, `compact_tile` and `prefilter_tile`
     (`SplitRows`),
     `row_threads` (`rows_launch`), `adjacent_values` (`adjacent_launch`'s values),
-    `max_registers` (`launch_rows`; split rows: pass 1's, `SplitRows`). The other keyword
+    `max_registers` (`launch_rows`, default ROW_REGISTER_CAPS'; split rows: pass 1's,
+    `SplitRows`, default none). The other keyword
     arguments override the launch heuristics (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
@@ -2021,7 +2030,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
                           row_threads=row_threads,
                           adjacent_values=adjacent_values or ADJACENT_THREAD_VALUES,
                           half_warps=HALF_ONE_ROW_WARPS, wide_groups_from=WIDE_GROUPS_FROM,
-                          max_registers=max_registers)
+                          max_registers=max_registers, register_caps=ROW_REGISTER_CAPS)
 
 
 class SplitBackward:
