@@ -813,7 +813,7 @@ def test_register_capped_launch_is_bit_identical(dist, dtype, n, max_registers):
         x[::3, 0] = 1.0
         x[::3, 1] = 2.0**-23
     y = forward(x, max_registers=max_registers)
-    assert torch.equal(y, forward(x))
+    assert torch.equal(y, forward(x, max_registers=0))  # 0: uncapped (the default caps some)
     if dist == "tiny_rows":
         assert (y[::3, 1] == 2.0**-24).all(), y[::3, :2]
     if dtype == torch.float32:
@@ -834,8 +834,8 @@ def test_register_capped_split_pass_is_bit_identical(dist, rows, n, chunk):
 
 def test_register_cap_reaches_the_launch(monkeypatch):
     """max_registers (default ROW_REGISTER_CAPS') goes to Triton as maxnreg for rows held by
-    `rows_launch`'s programs; rows adjacent in memory take `adjacent_launch`'s, uncapped. Nothing runs: the launches are
-    recorded (`out=` keeps none to replay)."""
+    `rows_launch`'s programs; rows adjacent in memory take `adjacent_launch`'s, uncapped.
+    Nothing runs: the launches are recorded (`out=` keeps none to replay)."""
     launched = []
     monkeypatch.setattr(kernels.FORWARD_LAUNCHES, "launch",
                         lambda key, grid, tensors, scalars, options: launched.append(options))
@@ -845,12 +845,15 @@ def test_register_cap_reaches_the_launch(monkeypatch):
         assert launched[-1]["maxnreg"] == want, launched[-1]
     kernels.sparsemax_forward(x, 1, out=torch.empty_like(x))
     assert launched[-1]["maxnreg"] is None
-    # By default, ROW_REGISTER_CAPS' caps: 2-byte rows of 8192 and 16384 entries.
-    for dtype, n, want in [(torch.bfloat16, 8192, 128), (torch.bfloat16, 10000, 168),
-                           (torch.float32, 8192, None), (torch.bfloat16, 4096, None)]:
+    # By default, ROW_REGISTER_CAPS' caps: 2-byte rows of 8192 and 16384 entries; 0 uncaps.
+    for dtype, n, cap, want in [(torch.bfloat16, 8192, None, 128),
+                                (torch.bfloat16, 10000, None, 168),
+                                (torch.bfloat16, 8192, 0, None),
+                                (torch.float32, 8192, None, None),
+                                (torch.bfloat16, 4096, None, None)]:
         rows = torch.randn(2, n, device=DEVICE).to(dtype)
-        kernels.sparsemax_forward(rows, 1, out=torch.empty_like(rows))
-        assert launched[-1]["maxnreg"] == want, (dtype, n, launched[-1])
+        kernels.sparsemax_forward(rows, 1, out=torch.empty_like(rows), max_registers=cap)
+        assert launched[-1]["maxnreg"] == want, (dtype, n, cap, launched[-1])
 
 
 def test_register_cap_reaches_split_pass_one(monkeypatch):

@@ -1636,7 +1636,7 @@ class SplitRows:
     `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
     `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
     `share_steps` its `default_share_steps(n_rows, element_size)`, `max_registers` caps pass
-    1's registers a thread (Triton's maxnreg; None: as ptxas chooses), `compact_tile` (default
+    1's registers a thread (Triton's maxnreg; None or 0: as ptxas chooses), `compact_tile` (default
     the op's `compact_tiles` for 4-byte entries; 0: none) the tile of candidates above its tau
     that the row pass keeps when they are too many to hold whole (`_compacted_tile`),
     `prefilter_tile` (default its `prefilter_tiles` for 4-byte entries; 0: none; not with
@@ -1686,7 +1686,7 @@ class SplitRows:
                                    BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros,
                                    SHARE_STEPS=self.default_share_steps(n_rows, x.element_size())
                                    if share_steps is None else share_steps,
-                                   maxnreg=max_registers)
+                                   maxnreg=max_registers or None)
         tile = self.default_threshold_tile(n_rows) if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.tile_entries = tile
@@ -1921,7 +1921,7 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
     adjacent in memory and none of rows_launch's overrides, `adjacent_launch`'s with
     adjacent_values), kept under key; rows_launch's with at most max_registers registers a
     thread (None: register_caps' cap by (entry bytes, block_n) if any, else as ptxas
-    chooses)."""
+    chooses; 0: as ptxas chooses)."""
     align = row_align(x, n, x_strides, y_strides)
     adjacent = None
     if group is None and num_warps is None and block_m is None and row_threads is None:
@@ -1940,7 +1940,7 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
                     dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, GROUP=launch.group,
                          WIDE=wide, PREFETCH=launch.prefetch, THREAD_ROWS=launch.thread_rows,
                          ROW_ALIGN=align, ADJACENT=adjacent is not None,
-                         num_warps=launch.num_warps, maxnreg=max_registers))
+                         num_warps=launch.num_warps, maxnreg=max_registers or None))
 
 
 def row_align(x: torch.Tensor, n: int, *strides) -> int:
