@@ -60,7 +60,8 @@ HALF_ONE_ROW_WARPS = {4096: 4}
 # Sparsemax's forward caps the registers of 2-byte rows of these widths (block_n) held by
 # `rows_launch`'s programs. H100 (NOTES v65 measured), 2048 rows bf16: 8192 151 -> 128
 # registers, forward 3% faster on randn, 6% on uniform rows; 16384 255 (62 spill instructions)
-# -> 168 (12), 2.5% and 14%. fp32 was slower at every cap; 2-byte 2048 and 32768 gained nothing.
+# -> 168 (12), 2.5% and 14%. fp32 gained nothing (slower from 16384); 2-byte 2048 and 32768
+# neither.
 ROW_REGISTER_CAPS = {(2, 8192): 128, (2, 16384): 168}
 # A row's group maxima lie inside each thread when its chunks (the row's GROUP parts) span the
 # layout: GROUP is the widest that does, up to GROUP_WIDEST. Sparsemax's forward and loss hold
@@ -1636,9 +1637,10 @@ class SplitRows:
     `early_zeros` its `early_zeros_by_rows` (by n_rows >= SPLIT_MANY_ROWS; `split_write_kernel`),
     `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
     `share_steps` its `default_share_steps(n_rows, element_size)`, `max_registers` caps pass
-    1's registers a thread (Triton's maxnreg; None or 0: as ptxas chooses), `compact_tile` (default
-    the op's `compact_tiles` for 4-byte entries; 0: none) the tile of candidates above its tau
-    that the row pass keeps when they are too many to hold whole (`_compacted_tile`),
+    1's registers a thread (Triton's maxnreg; None or 0: as ptxas chooses), `compact_tile`
+    (default the op's `compact_tiles` for 4-byte entries; 0: none) the tile of candidates
+    above its tau that the row pass keeps when they are too many to hold whole
+    (`_compacted_tile`),
     `prefilter_tile` (default its `prefilter_tiles` for 4-byte entries; 0: none; not with
     `compact_tile`) the row pass's held tile of the candidates above its start that
     `split_prefilter_kernel` keeps before it.
@@ -2009,8 +2011,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     (`SplitRows`),
     `row_threads` (`rows_launch`), `adjacent_values` (`adjacent_launch`'s values),
     `max_registers` (`launch_rows`, default ROW_REGISTER_CAPS'; split rows: pass 1's,
-    `SplitRows`, default none). The other keyword
-    arguments override the launch heuristics (benchmarks, tests).
+    `SplitRows`, default none; 0: none). The other keyword arguments override the launch
+    heuristics (benchmarks, tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and sparse_write is None and threshold_tile is None
