@@ -1129,25 +1129,29 @@ def split_prefilter_kernel(
     row = pid // n_splits
     split = pid % n_splits + tl.arange(0, 1)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    row_max, start = _split_row_start(PART, row, n_splits, SPLITS, compute, FLOOR)
     length, count, stored = _chunk_extent(PART, row, split, n_splits, n, CHUNK)
     width = tl.where(stored, count, length)
     chunks = tl.arange(0, SPLITS)
     row_widths = _candidate_extent(PART, row, chunks, n_splits, n, CHUNK, False)[1]
     held = (n_splits <= SPLITS) & (tl.max(row_widths, 0) <= HELD_WIDTH)
-    filtering = ((tl.zeros([1], tl.int32) + held.to(tl.int32)) == 0) & ~_is_bad(row_max)
     first_col, room = _free_slots(length, count, stored, EARLY_ZEROS)
     kept = tl.zeros([1], tl.int32)
-    if tl.sum(filtering.to(tl.int32), 0) > 0:
-        for offset in range(0, tl.max(width, 0), PIECE):
-            x = tl.reshape(_candidate_values(X, Y, row, split, stored, width, offset, inner,
-                                             x_stride_outer, x_stride_inner, x_stride_n,
-                                             y_stride_outer, y_stride_inner, y_stride_n, CHUNK,
-                                             PIECE, WIDE), [PIECE])
-            keep = x.to(compute) - row_max > start - COMPACT_MARGIN
-            kept = _store_kept(Y, row, x, keep, kept, split * CHUNK + first_col, room, inner,
-                               y_stride_outer, y_stride_inner, y_stride_n, WIDE)
-    fits = filtering & (kept <= room)
+    fits = kept < 0
+    if ~held:
+        # The row's start only where the row pass cannot hold the row already (randn rows
+        # stop here: one read of the row's PART, not three).
+        row_max, start = _split_row_start(PART, row, n_splits, SPLITS, compute, FLOOR)
+        filtering = ~_is_bad(row_max)
+        if tl.sum(filtering.to(tl.int32), 0) > 0:
+            for offset in range(0, tl.max(width, 0), PIECE):
+                x = tl.reshape(_candidate_values(X, Y, row, split, stored, width, offset, inner,
+                                                 x_stride_outer, x_stride_inner, x_stride_n,
+                                                 y_stride_outer, y_stride_inner, y_stride_n,
+                                                 CHUNK, PIECE, WIDE), [PIECE])
+                keep = x.to(compute) - row_max > start - COMPACT_MARGIN
+                kept = _store_kept(Y, row, x, keep, kept, split * CHUNK + first_col, room,
+                                   inner, y_stride_outer, y_stride_inner, y_stride_n, WIDE)
+        fits = filtering & (kept <= room)
     part = PART + pid * PART_SIZE
     tl.store(part + PART_KEPT_AT + tl.arange(0, 1), first_col.to(PART.dtype.element_ty))
     tl.store(part + PART_KEPT + tl.arange(0, 1), tl.where(fits, kept, -1).to(
