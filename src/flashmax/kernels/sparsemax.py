@@ -200,7 +200,7 @@ SPLIT_COMPACT_TILE = {False: 8192, True: 8192}
 # no prefilter; the alternative to SPLIT_COMPACT_TILE's compaction by the row pass alone), by
 # n_rows >= SPLIT_MANY_ROWS. Not sparsemax's default (H100, NOTES v72, a tile of 8192): its
 # launch and larger held tile cost randn rows (the bench's) 14-19% at 1-2 rows and 9-17% from
-# 8; dense rows take 16-42% less than with the compaction at 1-2 rows, more from 8.
+# 8; dense rows take 16-42% less than with the compaction at 1-2 rows, mostly more from 8.
 SPLIT_PREFILTER_TILE = {False: 0, True: 0}
 # The prefilter reads a chunk's candidates this many at a time.
 PREFILTER_PIECE = 1024
