@@ -4,8 +4,8 @@
 # compiles and the fp64 oracles are CPU-bound and the machine has 16 cores: in session 34, nine
 # files at once, each with torch's default threads, left test_kernels unfinished after 250 s
 # (alone: 78 s); in session 37, with JOBS=8, test_kernels ran past 270 s (alone: 116 s), hence
-# the default limit of 360 s. The logs come back as one file, $OUT/tests.tar.gz (a call returns at most 8
-# files); each file's summary line and its failures are printed last.
+# the default limit of 360 s. The logs come back as one file, $OUT/tests.tar.gz (a call
+# returns at most 8 files); each file's summary line and its failures are printed last.
 # Usage: JOBS=8 bash benchmarks/gpu_tests.sh [LIMIT_S] [test files...]   (default: every tests/test_*.py)
 set -uo pipefail
 limit="${1:-360}"; shift || true

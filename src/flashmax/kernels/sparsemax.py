@@ -1195,7 +1195,7 @@ def sparsemax_split_threshold_kernel(
             pending = tl.sum((~done).to(tl.int32), axis=0)
     else:
         # Rows not held: the compacted tile's registers are not live in the held rows' loop.
-        compacted = held
+        compacted = held  # False here, as held's [1] bool
         COMPACT_WIDTH: tl.constexpr = COMPACT if COMPACT > 0 else 1
         compact_z = tl.full([1, 1, COMPACT_WIDTH], -float("inf"), compute)
         if COMPACT > 0:
