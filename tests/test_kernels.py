@@ -230,8 +230,8 @@ def test_split_row_pass_compacts_dense_rows(monkeypatch, dist, config):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_row_pass_compacts_by_default_only_4_byte_entries(monkeypatch, dtype):
-    """The default compaction (SPLIT_COMPACT_TILE) applies to 4-byte entries: 2-byte dense rows
-    tie too many."""
+    """The default compaction (SPLIT_COMPACT_TILE) applies to 4-byte entries: 2-byte rows lost
+    with it."""
     fitted = spy_on_compaction(monkeypatch)
     x = make("rand", 1, 8192, dtype, seed=29)
     y = forward(x, chunk=512, threshold_tile=64)
@@ -350,14 +350,17 @@ def test_entmax15_split_row_pass_prefilters_dense_rows(monkeypatch, dist):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_entmax15_split_row_pass_prefilters_by_default_only_4_byte_entries(monkeypatch, dtype):
+@pytest.mark.parametrize("rows", [1, kernels.SPLIT_MANY_ROWS])
+def test_entmax15_split_row_pass_prefilters_by_default(monkeypatch, dtype, rows):
     """entmax-1.5's default prefilter (its `prefilter_tiles`, a tile of 8192 here 256 a chunk)
-    applies to 4-byte entries, the dtype timed: the fp32 row is held, the bf16 one read."""
+    applies to 4-byte entries and to 2-byte ones below SPLIT_MANY_ROWS rows, as timed: those
+    uniform rows are held, the others read."""
     held = spy_on_held_rows(monkeypatch)
-    x = make("rand", 1, 8192, dtype, seed=32)
+    x = make("rand", rows, 8192 // rows, dtype, seed=32)
     y = entmax_kernels.entmax15_forward(x, 1, out=poisoned(x), chunk=512, threshold_tile=64)
     assert not (y == POISON).any(), "some outputs were never written"
-    assert held == ([] if ON_GPU else [dtype == torch.float32]), held
+    prefiltered = dtype == torch.float32 or rows < kernels.SPLIT_MANY_ROWS
+    assert held == ([] if ON_GPU else [prefiltered] * rows), held
     assert_close_to_oracle(y.cpu().double(), x.cpu().double(), -1,
                            rtol=1e-6 if dtype == torch.float32 else 1e-2,
                            oracle_fn=entmax15_oracle)
@@ -845,12 +848,18 @@ def test_register_cap_reaches_the_launch(monkeypatch):
         assert launched[-1]["maxnreg"] == want, launched[-1]
     kernels.sparsemax_forward(x, 1, out=torch.empty_like(x))
     assert launched[-1]["maxnreg"] is None
-    # By default, ROW_REGISTER_CAPS' caps: 2-byte rows of 8192 and 16384 entries; 0 uncaps.
+    # By default, ROW_REGISTER_CAPS' caps: 2-byte rows of 64-1024, 8192 and 16384 entries;
+    # 0 uncaps.
     for dtype, n, cap, want in [(torch.bfloat16, 8192, None, 128),
                                 (torch.bfloat16, 10000, None, 168),
                                 (torch.bfloat16, 8192, 0, None),
                                 (torch.float32, 8192, None, None),
-                                (torch.bfloat16, 4096, None, None)]:
+                                (torch.bfloat16, 4096, None, None),
+                                (torch.bfloat16, 64, None, 80),
+                                (torch.bfloat16, 1000, None, 80),
+                                (torch.float32, 1000, None, None),
+                                (torch.bfloat16, 32, None, None),
+                                (torch.bfloat16, 2048, None, None)]:
         rows = torch.randn(2, n, device=DEVICE).to(dtype)
         kernels.sparsemax_forward(rows, 1, out=torch.empty_like(rows), max_registers=cap)
         assert launched[-1]["maxnreg"] == want, (dtype, n, cap, launched[-1])

@@ -360,11 +360,12 @@ class Entmax15SplitRows(SplitRows):
     bound_groups_by_rows = {False: ENTMAX_BOUND_GROUPS, True: ENTMAX_BOUND_GROUPS}
     threshold_kernel = entmax15_split_threshold_kernel
     lowest_threshold = -2.0
-    compact_tiles = {False: 0, True: 0}  # its row pass does not compact
-    # H100 (NOTES v72 measured), forward fp32: 1 x 4194304 uniform 3.5x and randn x 0.01 10.7x
-    # faster, randn 26% (its rows not held whole before); 8-32 rows' dense ones 1.3-2.4x,
-    # randn within 3%.
-    prefilter_tiles = {False: 8192, True: 8192}
+    compact_tiles = {}  # its row pass does not compact
+    # By (entry bytes, n_rows >= SPLIT_MANY_ROWS). H100 (NOTES v72 measured), forward fp32:
+    # 1 x 4194304 uniform 3.5x and randn x 0.01 10.7x faster, randn 26% (its rows not held
+    # whole before); 8-32 rows' dense ones 1.3-2.4x, randn within 3%. bf16 (session 38):
+    # 1 x 4194304 uniform 3.3x, randn 29% faster; from 8 rows uniform 4% slower.
+    prefilter_tiles = {(4, False): 8192, (4, True): 8192, (2, False): 8192}
     held_tile = max(THRESHOLD_TILE.values())  # as large as its tile (not measured smaller)
     outputs = _entmax_split_outputs
 

@@ -61,8 +61,10 @@ HALF_ONE_ROW_WARPS = {4096: 4}
 # `rows_launch`'s programs. H100 (NOTES v65 measured), 2048 rows bf16: 8192 151 -> 128
 # registers, forward 3% faster on randn, 6% on uniform rows; 16384 255 (62 spill instructions)
 # -> 168 (12), 2.5% and 14%. fp32 gained nothing (slower from 16384); 2-byte 2048 and 32768
-# neither.
-ROW_REGISTER_CAPS = {(2, 8192): 128, (2, 16384): 168}
+# neither. Short bf16 rows at 80 (session 38, two runs alike): 64-1024 entries randn 3-9%,
+# uniform 5-9% faster; 16 and 32 alike, 2048 19% slower; fp32 16-256 alike, 2048 1.8x slower.
+ROW_REGISTER_CAPS = {(2, 64): 80, (2, 128): 80, (2, 256): 80, (2, 512): 80, (2, 1024): 80,
+                     (2, 8192): 128, (2, 16384): 168}
 # A row's group maxima lie inside each thread when its chunks (the row's GROUP parts) span the
 # layout: GROUP is the widest that does, up to GROUP_WIDEST. Sparsemax's forward and loss hold
 # rows of WIDE_GROUPS_FROM entries or more one a program with up to SPANNING_GROUP_WIDEST
@@ -189,19 +191,21 @@ SPARSE_WRITE = 1024
 # chunks (8 x 1048576 before v42, one program a SM) lost 7-13% whatever the cap.
 SPLIT_EARLY_ZEROS = {False: 0, True: 64}
 # Split pass 2 on rows whose candidates do not fit its held tile: the tile of those above its
-# tau that it compacts and keeps across its Newton steps (`_compacted_tile`), 0 for none, by
-# n_rows >= SPLIT_MANY_ROWS, for 4-byte entries only (2-byte uniform rows tie ~n * 2^-8
-# entries at their max, a support no tile holds). H100 (NOTES v72 measured), forward fp32:
+# tau that it compacts and keeps across its Newton steps (`_compacted_tile`), by (entry bytes,
+# n_rows >= SPLIT_MANY_ROWS); none where absent. H100 (NOTES v72 measured), forward fp32:
 # uniform and randn x 0.01 rows 19-47% faster at 1-2 rows, 9-31% at 8 rows, 1.5-19% at 32-128
 # rows; randn rows (held whole, never compacted) within 0.3% from 2 rows, +4.5% at 1 row.
-SPLIT_COMPACT_TILE = {False: 8192, True: 8192}
+# bf16 (session 38) lost at 1-32 rows: randn 4-7%, rand 0.3-27% (2-byte uniform rows tie
+# ~n * 2^-8 entries at their max, a support no tile holds).
+SPLIT_COMPACT_TILE = {(4, False): 8192, (4, True): 8192}
 # Split rows whose candidates the row pass cannot hold: the tile of the candidates above the
-# start that `split_prefilter_kernel` keeps, all chunks at once, for the row pass to hold (0 for
-# no prefilter; the alternative to SPLIT_COMPACT_TILE's compaction by the row pass alone), by
-# n_rows >= SPLIT_MANY_ROWS. Not sparsemax's default (H100, NOTES v72, a tile of 8192): its
-# launch and larger held tile cost randn rows (the bench's) 14-19% at 1-2 rows and 9-17% from
-# 8; dense rows take 16-42% less than with the compaction at 1-2 rows, mostly more from 8.
-SPLIT_PREFILTER_TILE = {False: 0, True: 0}
+# start that `split_prefilter_kernel` keeps, all chunks at once, for the row pass to hold (the
+# alternative to SPLIT_COMPACT_TILE's compaction by the row pass alone), keyed as it; none
+# where absent. Not sparsemax's default (H100, NOTES v72, a tile of 8192): its launch and
+# larger held tile cost fp32 randn rows (the bench's) 14-19% at 1-2 rows and 9-17% from 8;
+# dense rows take 16-42% less than with the compaction at 1-2 rows, mostly more from 8; bf16
+# randn rows 11-18% more at 1-32 rows (session 38).
+SPLIT_PREFILTER_TILE = {}
 # The prefilter reads a chunk's candidates this many at a time.
 PREFILTER_PIECE = 1024
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk),
@@ -1642,10 +1646,10 @@ class SplitRows:
     `threshold_tile` its `default_threshold_tile(n_rows)` (a held tile is at most `held_tile`),
     `share_steps` its `default_share_steps(n_rows, element_size)`, `max_registers` caps pass
     1's registers a thread (Triton's maxnreg; None or 0: as ptxas chooses), `compact_tile`
-    (default the op's `compact_tiles` for 4-byte entries; 0: none) the tile of candidates
-    above its tau that the row pass keeps when they are too many to hold whole
-    (`_compacted_tile`),
-    `prefilter_tile` (default its `prefilter_tiles` for 4-byte entries; 0: none; not with
+    (default the op's `compact_tiles`, by entry bytes and n_rows >= SPLIT_MANY_ROWS; 0: none)
+    the tile of candidates above its tau that the row pass keeps when they are too many to
+    hold whole (`_compacted_tile`),
+    `prefilter_tile` (default its `prefilter_tiles`, keyed alike; 0: none; not with
     `compact_tile`) the row pass's held tile of the candidates above its start that
     `split_prefilter_kernel` keeps before it.
     Another op (entmax-1.5) subclasses it with its own chunk bound and its defaults, row pass
@@ -1699,16 +1703,13 @@ class SplitRows:
         self.row_pass = dict(CHUNK=self.chunk, SPLITS=splits, WIDTH=self._width(splits),
                              WIDE=wide, num_warps=max(1, min(16, tile // 1024)))
         self.held_width = self._width(splits, tile=min(tile, self.held_tile))
-        # Defaults for 4-byte entries only (the timed ones); either one given turns the other's
-        # default off.
-        timed_dtype = x.element_size() == 4
+        # Either one given turns the other's default off.
+        timed = (x.element_size(), n_rows >= SPLIT_MANY_ROWS)
         if compact_tile is None:
-            compact_tile = (self.compact_tiles[n_rows >= SPLIT_MANY_ROWS]
-                            if timed_dtype and not prefilter_tile else 0)
+            compact_tile = 0 if prefilter_tile else self.compact_tiles.get(timed, 0)
         self.compact_tile = compact_tile
         if prefilter_tile is None:
-            prefilter_tile = (self.prefilter_tiles[n_rows >= SPLIT_MANY_ROWS]
-                              if timed_dtype and not compact_tile else 0)
+            prefilter_tile = 0 if compact_tile else self.prefilter_tiles.get(timed, 0)
         if prefilter_tile and compact_tile:
             raise ValueError("prefilter_tile and compact_tile are alternatives: set one")
         self.prefilter_tile = prefilter_tile
