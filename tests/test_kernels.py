@@ -798,10 +798,11 @@ def test_a_tiny_row_among_others(n, chunk):
     assert torch.equal(y[[0, 1, 3, 4]], forward(x[[0, 1, 3, 4]], chunk=chunk))
 
 
-# Register caps that fit one more program a SM (NOTES, v65): ptxas then spills, in bf16 in the
-# tiny rows' fp64 code only (fp32 16384 at 168 spills on its hot path too: slower, the same
+# Register caps that fit one more program a SM (NOTES, v65, v73): ptxas then spills, in bf16 in
+# the tiny rows' fp64 code only (fp32 16384 at 168 spills on its hot path too: slower, the same
 # bits). The caps take effect on the GPU; the interpreter ignores them.
-@pytest.mark.parametrize("n, max_registers", [(2048, 128), (8192, 128), (16384, 168)] if ON_GPU
+@pytest.mark.parametrize("n, max_registers",
+                         [(64, 80), (1000, 80), (2048, 128), (8192, 128), (16384, 168)] if ON_GPU
                          else [(300, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dist", ["randn", "rand", "tiny_rows"])
