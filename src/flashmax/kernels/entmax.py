@@ -363,8 +363,9 @@ class Entmax15SplitRows(SplitRows):
     compact_tiles = {}  # its row pass does not compact
     # By (entry bytes, n_rows >= SPLIT_MANY_ROWS). H100 (NOTES v72 measured), forward fp32:
     # 1 x 4194304 uniform 3.5x and randn x 0.01 10.7x faster, randn 26% (its rows not held
-    # whole before); 8-32 rows' dense ones 1.3-2.4x, randn within 3%. bf16 (session 38):
-    # 1 x 4194304 uniform 3.3x, randn 29% faster; from 8 rows uniform 4% slower.
+    # whole before); 8-32 rows' dense ones 1.3-2.4x, randn within 3%. bf16 (NOTES v73):
+    # 1 x 4194304 uniform 3.3x and randn 33% faster, 2-4 rows uniform 1.8-2.3x faster and randn
+    # 2-5% slower; from 8 rows uniform 4% slower.
     prefilter_tiles = {(4, False): 8192, (4, True): 8192, (2, False): 8192}
     held_tile = max(THRESHOLD_TILE.values())  # as large as its tile (not measured smaller)
     outputs = _entmax_split_outputs

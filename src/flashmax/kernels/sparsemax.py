@@ -61,7 +61,7 @@ HALF_ONE_ROW_WARPS = {4096: 4}
 # `rows_launch`'s programs. H100 (NOTES v65 measured), 2048 rows bf16: 8192 151 -> 128
 # registers, forward 3% faster on randn, 6% on uniform rows; 16384 255 (62 spill instructions)
 # -> 168 (12), 2.5% and 14%. fp32 gained nothing (slower from 16384); 2-byte 2048 and 32768
-# neither. Short bf16 rows at 80 (session 38, two runs alike): 64-1024 entries randn 3-9%,
+# neither. Short bf16 rows at 80 (NOTES v73, three runs alike): 64-1024 entries randn 3-9%,
 # uniform 5-9% faster; 16 and 32 alike, 2048 19% slower; fp32 16-256 alike, 2048 1.8x slower.
 ROW_REGISTER_CAPS = {(2, 64): 80, (2, 128): 80, (2, 256): 80, (2, 512): 80, (2, 1024): 80,
                      (2, 8192): 128, (2, 16384): 168}
@@ -195,7 +195,7 @@ SPLIT_EARLY_ZEROS = {False: 0, True: 64}
 # n_rows >= SPLIT_MANY_ROWS); none where absent. H100 (NOTES v72 measured), forward fp32:
 # uniform and randn x 0.01 rows 19-47% faster at 1-2 rows, 9-31% at 8 rows, 1.5-19% at 32-128
 # rows; randn rows (held whole, never compacted) within 0.3% from 2 rows, +4.5% at 1 row.
-# bf16 (session 38) lost at 1-32 rows: randn 4-7%, rand 0.3-27% (2-byte uniform rows tie
+# bf16 (NOTES v73) lost at 1-32 rows: randn 4-7%, rand 0.3-27% (2-byte uniform rows tie
 # ~n * 2^-8 entries at their max, a support no tile holds).
 SPLIT_COMPACT_TILE = {(4, False): 8192, (4, True): 8192}
 # Split rows whose candidates the row pass cannot hold: the tile of the candidates above the
@@ -204,7 +204,7 @@ SPLIT_COMPACT_TILE = {(4, False): 8192, (4, True): 8192}
 # where absent. Not sparsemax's default (H100, NOTES v72, a tile of 8192): its launch and
 # larger held tile cost fp32 randn rows (the bench's) 14-19% at 1-2 rows and 9-17% from 8;
 # dense rows take 16-42% less than with the compaction at 1-2 rows, mostly more from 8; bf16
-# randn rows 11-18% more at 1-32 rows (session 38).
+# randn rows 11-18% more at 1-32 rows (NOTES v73).
 SPLIT_PREFILTER_TILE = {}
 # The prefilter reads a chunk's candidates this many at a time.
 PREFILTER_PIECE = 1024
@@ -1704,12 +1704,12 @@ class SplitRows:
                              WIDE=wide, num_warps=max(1, min(16, tile // 1024)))
         self.held_width = self._width(splits, tile=min(tile, self.held_tile))
         # Either one given turns the other's default off.
-        timed = (x.element_size(), n_rows >= SPLIT_MANY_ROWS)
+        size_and_rows = (x.element_size(), n_rows >= SPLIT_MANY_ROWS)
         if compact_tile is None:
-            compact_tile = 0 if prefilter_tile else self.compact_tiles.get(timed, 0)
+            compact_tile = 0 if prefilter_tile else self.compact_tiles.get(size_and_rows, 0)
         self.compact_tile = compact_tile
         if prefilter_tile is None:
-            prefilter_tile = 0 if compact_tile else self.prefilter_tiles.get(timed, 0)
+            prefilter_tile = 0 if compact_tile else self.prefilter_tiles.get(size_and_rows, 0)
         if prefilter_tile and compact_tile:
             raise ValueError("prefilter_tile and compact_tile are alternatives: set one")
         self.prefilter_tile = prefilter_tile
