@@ -244,24 +244,29 @@ def entmax15_forward_kernel(
 
 
 @triton.jit
-def _entmax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr, share, SHARE_STEPS: tl.constexpr):
+def _entmax_chunk_bound(group_d, start, BOUND_GROUPS: tl.constexpr, share,
+                        SHARE_STEPS: tl.constexpr):
     """`SplitRows`' pass-1 bounds for entmax-1.5, from a chunk's group maxima less the chunk's
-    max (d = x - max, [1, 1, W]), in d: twice a Newton iterate for their tau in z = d / 2,
-    stopped once at most BOUND_GROUPS of them lie above it, or exact with 0 (as sparsemax's), a
-    lower bound on the row's tau; and twice SHARE_STEPS Newton steps on from there towards the
-    root of sum(max(z - t, 0)^2) = share, on its convex norm form."""
+    max (d = x - max, [1, 1, W]), in d: twice a Newton iterate for their tau in z = d / 2 from
+    start (in z: the tau of their largest two, `_entmax_top_two_start`), stopped once at most
+    BOUND_GROUPS of them lie above it, or exact with 0 (as sparsemax's), a lower bound on the
+    row's tau; and twice SHARE_STEPS Newton steps on from there towards the root of
+    sum(max(z - t, 0)^2) = share, on its convex norm form, taken only where more than
+    BOUND_GROUPS group maxima lie above the bound (as sparsemax's share steps)."""
     z = group_d * 0.5
-    tau = tl.full([1], -1.0, group_d.dtype)
-    pivot, step, _, _ = _entmax_threshold(z, tau, tl.zeros_like(tau), BOUND_GROUPS)
+    pivot, step, _, size = _entmax_threshold(z, start, tl.zeros_like(start), BOUND_GROUPS)
     bound = pivot + step
     share_bound = bound
-    for _ in tl.static_range(SHARE_STEPS):
-        d = tl.maximum(z - share_bound[:, None, None], 0.0)
-        # One reduction of both sums (as sparsemax's share steps, v46).
-        s1, s2 = tl.reduce((d, d * d), 2, _add_add)
-        s1, s2 = tl.reduce((s1, s2), 1, _add_add)
-        norm = tl.sqrt(s2)
-        share_bound += tl.where(s1 > 0, (norm - tl.sqrt(share)) * norm / s1, 0.0)
+    if SHARE_STEPS > 0:
+        # A size of -1: stopped by MAX_STEPS, which only a large support takes.
+        if (tl.max(size, 0) > BOUND_GROUPS) | (tl.min(size, 0) < 0):
+            for _step in tl.static_range(SHARE_STEPS):
+                d = tl.maximum(z - share_bound[:, None, None], 0.0)
+                # One reduction of both sums (as sparsemax's share steps, v46).
+                s1, s2 = tl.reduce((d, d * d), 2, _add_add)
+                s1, s2 = tl.reduce((s1, s2), 1, _add_add)
+                norm = tl.sqrt(s2)
+                share_bound += tl.where(s1 > 0, (norm - tl.sqrt(share)) * norm / s1, 0.0)
     return 2.0 * bound, 2.0 * share_bound
 
 
@@ -357,6 +362,7 @@ class Entmax15SplitRows(SplitRows):
     and outputs."""
 
     chunk_bound = _entmax_chunk_bound
+    top_two_start = _entmax_top_two_start
     bound_groups_by_rows = {False: ENTMAX_BOUND_GROUPS, True: ENTMAX_BOUND_GROUPS}
     threshold_kernel = entmax15_split_threshold_kernel
     lowest_threshold = -2.0

@@ -802,30 +802,35 @@ def _scatter(pointers, bits, keep, PTX: tl.constexpr, CONSTRAINTS: tl.constexpr)
 
 
 @triton.jit
-def _sparsemax_chunk_bound(group_d, BOUND_GROUPS: tl.constexpr, share, SHARE_STEPS: tl.constexpr):
+def _sparsemax_chunk_bound(group_d, start, BOUND_GROUPS: tl.constexpr, share,
+                           SHARE_STEPS: tl.constexpr):
     """Lower bounds from a chunk's group maxima less the chunk's max ([1, 1, W]): on the row's
-    tau, a Newton iterate for their tau, stopped once at most BOUND_GROUPS of them lie above it
-    (at most GROUP x BOUND_GROUPS candidates), or exact with 0; and on the root of
-    sum(max(d - t, 0)) = share <= 1, SHARE_STEPS Newton steps towards it (`_chunk_bounds`).
+    tau, a Newton iterate for their tau from start (a lower bound on it: the tau of their
+    largest two, `_chunk_bounds`), stopped once at most BOUND_GROUPS of them lie above it (at
+    most GROUP x BOUND_GROUPS candidates), or exact with 0; and on the root of
+    sum(max(d - t, 0)) = share <= 1, up to SHARE_STEPS Newton steps towards it.
     The first of these is free: from the last iterate `pivot`, whose sum of d - pivot is
-    1 + step x size, it lands (1 - share) / size above the bound."""
-    tau = tl.full([1], -1.0, group_d.dtype)
+    1 + step x size, it lands (1 - share) / size above the bound. The others are taken only
+    where more than BOUND_GROUPS group maxima lie above the bound: on chunks whose entries
+    crowd below their max (uniform rows), whose alike chunks make the share bound the row
+    pass's start (`_split_row_start`); on the others (randn) the largest bound is the start."""
     # A lower bound, not an output: no drift check.
-    pivot, step, _, _, size = _newton_threshold(group_d, tau, tl.zeros_like(tau), False,
+    pivot, step, _, _, size = _newton_threshold(group_d, start, tl.zeros_like(start), False,
                                                 BOUND_GROUPS)
     bound = pivot + step
     share_bound = bound
     if SHARE_STEPS > 0:
         share_bound += tl.where(size > 0, (1.0 - share) / size, 0.0)
     if SHARE_STEPS > 1:
-        for _ in tl.static_range(SHARE_STEPS - 1):
-            above = group_d > share_bound[:, None, None]
-            # One reduction of both sums: pass 1 is bound by its chain of barriers (v46).
-            total, count = tl.reduce(
-                (tl.where(above, group_d - share_bound[:, None, None], 0.0),
-                 above.to(group_d.dtype)), 2, _add_add)
-            total, count = tl.reduce((total, count), 1, _add_add)
-            share_bound += tl.where(count > 0, (total - share) / count, 0.0)
+        if tl.max(size, 0) > BOUND_GROUPS:
+            for _step in tl.static_range(SHARE_STEPS - 1):
+                above = group_d > share_bound[:, None, None]
+                # One reduction of both sums: pass 1 is bound by its chain of barriers (v46).
+                total, count = tl.reduce(
+                    (tl.where(above, group_d - share_bound[:, None, None], 0.0),
+                     above.to(group_d.dtype)), 2, _add_add)
+                total, count = tl.reduce((total, count), 1, _add_add)
+                share_bound += tl.where(count > 0, (total - share) / count, 0.0)
     return bound, share_bound
 
 
@@ -835,10 +840,12 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
                   CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr,
                   WIDE: tl.constexpr, SCATTER_PTX: tl.constexpr,
                   SCATTER_CONSTRAINTS: tl.constexpr, BOUND_GROUPS: tl.constexpr,
-                  BOUND: tl.constexpr, EARLY_ZEROS: tl.constexpr, SHARE_STEPS: tl.constexpr):
+                  BOUND: tl.constexpr, TOP_TWO_START: tl.constexpr, EARLY_ZEROS: tl.constexpr,
+                  SHARE_STEPS: tl.constexpr):
     """Split pass 1's work on chunk pid, loaded as x_in: the chunk's max, a lower bound on the
     row's threshold relative to that max (BOUND: the op's, `_sparsemax_chunk_bound` or
-    entmax-1.5's, from the chunk's group maxima), and its candidates: the entries above that
+    entmax-1.5's, from the chunk's group maxima, starting from TOP_TWO_START's tau of the
+    largest two of them), and its candidates: the entries above that
     bound, a superset of the chunk's part of the row's support. When they fill at most half
     the chunk, they are stored in the output's chunk (values, then their indices as INDEX
     bits), so that later passes need not read the chunk again; when they are at most
@@ -851,10 +858,10 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
     row = pid // n_splits
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
     group_max = _group_max(x)
-    chunk_max = _row_max(group_max)
+    chunk_max, start = _row_max_and_start(group_max, True, TOP_TWO_START)
     share = tl.minimum(SHARE_SLACK / n_splits, 1.0)
-    bound, share_bound = BOUND(tl.expand_dims(group_max - chunk_max[:, None], 1), BOUND_GROUPS,
-                               share, SHARE_STEPS)
+    bound, share_bound = BOUND(tl.expand_dims(group_max - chunk_max[:, None], 1), start,
+                               BOUND_GROUPS, share, SHARE_STEPS)
     # A margin of a few ulps: the later passes compare in the row's coordinates, rounded
     # differently, and must never find a support entry that is not a candidate.
     keep = (x - chunk_max[:, None, None]) > (bound - tl.abs(bound) * CANDIDATE_MARGIN)[:, None, None]
@@ -895,8 +902,8 @@ def split_bounds_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
     SCATTER_PTX: tl.constexpr, SCATTER_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr,
-    BOUND_GROUPS: tl.constexpr, BOUND: tl.constexpr, EARLY_ZEROS: tl.constexpr,
-    SHARE_STEPS: tl.constexpr,
+    BOUND_GROUPS: tl.constexpr, BOUND: tl.constexpr, TOP_TWO_START: tl.constexpr,
+    EARLY_ZEROS: tl.constexpr, SHARE_STEPS: tl.constexpr,
 ):
     """Split pass 1 (`_chunk_bounds`), one chunk per program; with PREFETCH program p does
     chunks p, p + programs, ... and loads the next one before working on this one, as
@@ -915,13 +922,15 @@ def split_bounds_kernel(
             x_next = tl.load(X + off, mask=mask, other=-float("inf"))
             _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner, y_stride_outer,
                           y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
-                          SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, EARLY_ZEROS, SHARE_STEPS)
+                          SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, TOP_TWO_START, EARLY_ZEROS,
+                          SHARE_STEPS)
             x_in = x_next
             pid = following
     else:
         _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner, y_stride_outer,
                       y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
-                      SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, EARLY_ZEROS, SHARE_STEPS)
+                      SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, TOP_TWO_START, EARLY_ZEROS,
+                          SHARE_STEPS)
 
 
 @triton.jit
@@ -1656,6 +1665,7 @@ class SplitRows:
     and outputs."""
 
     chunk_bound = _sparsemax_chunk_bound
+    top_two_start = _sparsemax_top_two_start
     bound_groups_by_rows = SPLIT_BOUND_GROUPS
     early_zeros_by_rows = SPLIT_EARLY_ZEROS
     threshold_kernel = sparsemax_split_threshold_kernel
@@ -1693,7 +1703,8 @@ class SplitRows:
                                    BOUND_GROUPS=self.bound_groups_by_rows[
                                        n_rows >= SPLIT_MANY_ROWS]
                                    if bound_groups is None else bound_groups,
-                                   BOUND=self.chunk_bound, EARLY_ZEROS=self.early_zeros,
+                                   BOUND=self.chunk_bound, TOP_TWO_START=self.top_two_start,
+                                   EARLY_ZEROS=self.early_zeros,
                                    SHARE_STEPS=self.default_share_steps(n_rows, x.element_size())
                                    if share_steps is None else share_steps,
                                    maxnreg=max_registers or None)
