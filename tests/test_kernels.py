@@ -335,8 +335,10 @@ def test_entmax15_split_row_pass_prefilters_dense_rows(monkeypatch, dist):
     least -2), held as sparsemax's are (a tile of 2048 here, 128 a chunk): uniform rows keep
     58-85 of each chunk's ~150 candidates (the support ~60 a chunk)."""
     held = spy_on_held_rows(monkeypatch)
+    # Under the interpreter bound_groups scales with the chunk too: with 128 a uniform chunk's
+    # ~130 of 256 group maxima above its bound would not always count it dense (`_dense_chunk`).
     rows, n, launch = ((3, 1 << 22, dict(prefilter_tile=8192)) if ON_GPU else
-                       (1, 8192, dict(chunk=512, threshold_tile=64)))
+                       (1, 8192, dict(chunk=512, threshold_tile=64, bound_groups=16)))
     x = make(dist, rows, n, seed=31)
     if not ON_GPU:
         entmax_kernels.entmax15_forward(x, 1, out=poisoned(x), prefilter_tile=0, **launch)
@@ -394,8 +396,11 @@ def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
     split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
     y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, poisoned(x), 1,
                                                                            128)
+    # Uniform rows with exact chunk bounds (bound_groups=0): only chunks with more than
+    # bound_groups group maxima above their bound take the share steps (`_dense_chunk`), which
+    # sparsemax's 16 a chunk here need not have.
     split = split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False,
-                       share_steps=share_steps)
+                       share_steps=share_steps, bound_groups=0 if dist == "rand" else None)
     split.bounds()
     part = split.part.view(n_rows, split.n_splits, -1).double().cpu()
     chunk_max = part[..., kernels.PART_MAX.value]
@@ -1061,6 +1066,7 @@ def test_scatter_assembly_builds_for_sm90(dtype, index, prefetch):
          f"CHUNK={chunk}", "GROUP=8", f"INDEX={index}", "WIDE=0", f"SCATTER_PTX={ptx}",
          f"SCATTER_CONSTRAINTS={constraints}", f"PREFETCH={prefetch}",
          f"BOUND_GROUPS={kernels.SPLIT_BOUND_GROUPS[True]}", "BOUND=_sparsemax_chunk_bound",
+         "TOP_TWO_START=_sparsemax_top_two_start",
          f"EARLY_ZEROS={kernels.SPLIT_EARLY_ZEROS[True]}",
          f"SHARE_STEPS={kernels.SPLIT_SHARE_STEPS[False]}"],
         capture_output=True, text=True, env=env, timeout=300)

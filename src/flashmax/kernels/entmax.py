@@ -31,9 +31,9 @@ from .launch import LaunchCache, on_tensor_device
 from .sparsemax import (GRADIENT_ROW_STRIDES, MAX_DRIFT, ROW_THREAD_ENTRIES, SPLIT_MANY_ROWS,
                         STATE_MAX, STATE_PIVOT, STATE_SIZE, STATE_STEP, STATE_ZERO_BELOW,
                         SplitBackward, SplitRows, TOP_TWO_MARGIN, WIDE_GROUPS_FROM, _add_add,
-                        _candidate_extent, _candidate_values, _compute_dtype, _entry_offsets,
-                        _group_max, _held_candidates, _is_bad, _load_raw_rows, _load_y_g, _map_rows,
-                        _next_power_of_2, _row_max_and_start, _row_partials,
+                        _candidate_extent, _candidate_values, _compute_dtype, _dense_chunk,
+                        _entry_offsets, _group_max, _held_candidates, _is_bad, _load_raw_rows,
+                        _load_y_g, _map_rows, _next_power_of_2, _row_max_and_start, _row_partials,
                         _sparsemax_top_two_start, _split_gradient_chunk, _split_row_start,
                         _split_y_g_chunk, _store_partials, _store_rows, _strided, _support_found,
                         _tile_threshold, _wide, kept_launch, launch_backward, launch_forward,
@@ -65,8 +65,9 @@ THRESHOLD_TILE_ROWS = 256
 # bf16; 512 is faster still at 512 rows but slower at 32; rand and randn x 0.01 unchanged.
 ENTMAX_BOUND_GROUPS = 128
 # Pass 1's Newton steps towards a chunk's share of the row (as sparsemax's SPLIT_SHARE_STEPS,
-# each a reduction over the group maxima), by n_rows >= SPLIT_MANY_ROWS; from there none for
-# 2-byte entries (`Entmax15SplitRows.default_share_steps`). H200 (NOTES v45, v46): below 8
+# each a reduction over the group maxima, on dense chunks only since v74), by n_rows >=
+# SPLIT_MANY_ROWS; from there none for 2-byte entries
+# (`Entmax15SplitRows.default_share_steps`). H200 (NOTES v45, v46): below 8
 # rows 3 steps took uniform and randn x 0.01 rows 28-42% lower (1 x 4194304 randn x 0.01
 # 5.25 -> 3.02 ms) for randn +5%; from 8 rows 1 step takes those 4-26% lower (32 x 1048576
 # randn x 0.01 1.60 -> 1.18 ms) for randn 0-2% in fp32 but 5-7% in bf16, whose chunks take
@@ -251,15 +252,14 @@ def _entmax_chunk_bound(group_d, start, BOUND_GROUPS: tl.constexpr, share,
     start (in z: the tau of their largest two, `_entmax_top_two_start`), stopped once at most
     BOUND_GROUPS of them lie above it, or exact with 0 (as sparsemax's), a lower bound on the
     row's tau; and twice SHARE_STEPS Newton steps on from there towards the root of
-    sum(max(z - t, 0)^2) = share, on its convex norm form, taken only where more than
-    BOUND_GROUPS group maxima lie above the bound (as sparsemax's share steps)."""
+    sum(max(z - t, 0)^2) = share, on its convex norm form, on dense chunks only
+    (`_dense_chunk`)."""
     z = group_d * 0.5
     pivot, step, _, size = _entmax_threshold(z, start, tl.zeros_like(start), BOUND_GROUPS)
     bound = pivot + step
     share_bound = bound
     if SHARE_STEPS > 0:
-        # A size of -1: stopped by MAX_STEPS, which only a large support takes.
-        if (tl.max(size, 0) > BOUND_GROUPS) | (tl.min(size, 0) < 0):
+        if _dense_chunk(size, BOUND_GROUPS):
             for _step in tl.static_range(SHARE_STEPS):
                 d = tl.maximum(z - share_bound[:, None, None], 0.0)
                 # One reduction of both sums (as sparsemax's share steps, v46).

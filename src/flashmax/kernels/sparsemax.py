@@ -168,7 +168,8 @@ SPLIT_BOUND_GROUPS = {False: 8, True: 32}  # by n_rows >= SPLIT_MANY_ROWS
 # Pass 1's Newton steps on a chunk's group maxima towards its even share of the row
 # (`_chunk_bounds`' share bound: a better start for the row pass on rows whose chunks are
 # alike, as nearly tied rows' are), by n_rows >= SPLIT_MANY_ROWS; 0: none. The first step
-# costs nothing (`_sparsemax_chunk_bound`), each other one a reduction over the group maxima.
+# costs nothing (`_sparsemax_chunk_bound`), each other one a reduction over the group maxima,
+# taken on dense chunks only (`_dense_chunk`; NOTES v74: randn rows below 8 rows 7-9% faster).
 # Measured on an H200 (NOTES v45, v46): below 8 rows 4 steps took uniform and randn x 0.01 rows
 # 16-36% lower (1 x 4194304 rand 134 -> 100 µs) and randn 9% higher (28.7 -> 31.2 µs; 31.0
 # with v46's fused sums); from 32 rows one more step costs randn 3% (bf16 10%) and gains at
@@ -802,6 +803,17 @@ def _scatter(pointers, bits, keep, PTX: tl.constexpr, CONSTRAINTS: tl.constexpr)
 
 
 @triton.jit
+def _dense_chunk(size, BOUND_GROUPS: tl.constexpr):
+    """Whether a chunk takes the share steps that cost a reduction each (`_chunk_bounds`'
+    BOUND): where more than BOUND_GROUPS of its group maxima lie above its bound (size; -1:
+    entmax-1.5's Newton stopped by its step cap, which only large supports reach). Those
+    chunks' entries crowd below their max (uniform rows: NOTES v74), and alike chunks make the
+    share bound the row pass's start (`_split_row_start`); elsewhere (randn rows) the largest
+    chunk bound is, and the steps would be idle."""
+    return (tl.max(size, 0) > BOUND_GROUPS) | (tl.min(size, 0) < 0)
+
+
+@triton.jit
 def _sparsemax_chunk_bound(group_d, start, BOUND_GROUPS: tl.constexpr, share,
                            SHARE_STEPS: tl.constexpr):
     """Lower bounds from a chunk's group maxima less the chunk's max ([1, 1, W]): on the row's
@@ -810,10 +822,8 @@ def _sparsemax_chunk_bound(group_d, start, BOUND_GROUPS: tl.constexpr, share,
     most GROUP x BOUND_GROUPS candidates), or exact with 0; and on the root of
     sum(max(d - t, 0)) = share <= 1, up to SHARE_STEPS Newton steps towards it.
     The first of these is free: from the last iterate `pivot`, whose sum of d - pivot is
-    1 + step x size, it lands (1 - share) / size above the bound. The others are taken only
-    where more than BOUND_GROUPS group maxima lie above the bound: on chunks whose entries
-    crowd below their max (uniform rows), whose alike chunks make the share bound the row
-    pass's start (`_split_row_start`); on the others (randn) the largest bound is the start."""
+    1 + step x size, it lands (1 - share) / size above the bound; the others are taken on
+    dense chunks only (`_dense_chunk`)."""
     # A lower bound, not an output: no drift check.
     pivot, step, _, _, size = _newton_threshold(group_d, start, tl.zeros_like(start), False,
                                                 BOUND_GROUPS)
@@ -822,7 +832,7 @@ def _sparsemax_chunk_bound(group_d, start, BOUND_GROUPS: tl.constexpr, share,
     if SHARE_STEPS > 0:
         share_bound += tl.where(size > 0, (1.0 - share) / size, 0.0)
     if SHARE_STEPS > 1:
-        if tl.max(size, 0) > BOUND_GROUPS:
+        if _dense_chunk(size, BOUND_GROUPS):
             for _step in tl.static_range(SHARE_STEPS - 1):
                 above = group_d > share_bound[:, None, None]
                 # One reduction of both sums: pass 1 is bound by its chain of barriers (v46).
