@@ -169,7 +169,8 @@ SPLIT_BOUND_GROUPS = {False: 8, True: 32}  # by n_rows >= SPLIT_MANY_ROWS
 # (`_chunk_bounds`' share bound: a better start for the row pass on rows whose chunks are
 # alike, as nearly tied rows' are), by n_rows >= SPLIT_MANY_ROWS; 0: none. The first step
 # costs nothing (`_sparsemax_chunk_bound`), each other one a reduction over the group maxima,
-# taken on dense chunks only (`_dense_chunk`; NOTES v74: randn rows below 8 rows 7-9% faster).
+# taken on dense chunks only (`_dense_chunk`; NOTES v74: randn rows below 8 rows 6.7-9%
+# faster).
 # Measured on an H200 (NOTES v45, v46): below 8 rows 4 steps took uniform and randn x 0.01 rows
 # 16-36% lower (1 x 4194304 rand 134 -> 100 µs) and randn 9% higher (28.7 -> 31.2 µs; 31.0
 # with v46's fused sums); from 32 rows one more step costs randn 3% (bf16 10%) and gains at
