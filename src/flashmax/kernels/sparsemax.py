@@ -856,11 +856,11 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
     """Split pass 1's work on chunk pid, loaded as x_in: the chunk's max, a lower bound on the
     row's threshold relative to that max (BOUND: the op's, `_sparsemax_chunk_bound` or
     entmax-1.5's, from the chunk's group maxima, starting from TOP_TWO_START's tau of the
-    largest two of them), and its candidates: the entries above that
-    bound, a superset of the chunk's part of the row's support. When they fill at most half
-    the chunk, they are stored in the output's chunk (values, then their indices as INDEX
-    bits), so that later passes need not read the chunk again; when they are at most
-    EARLY_ZEROS, every other output of the chunk is 0, written here.
+    largest two of them), and its candidates: the entries above that bound, a superset of the
+    chunk's part of the row's support. When they fill at most half the chunk, they are stored
+    in the output's chunk (values, then their indices as INDEX bits), so that later passes need
+    not read the chunk again; when they are at most EARLY_ZEROS, every other output of the
+    chunk is 0, written here.
 
     BOUND also gives a share bound: a t at which the chunk's part of the op's sum (F_c(t),
     sum(max(x - t, 0)) for sparsemax) is at least SHARE_SLACK / C of the 1 the row's C chunks
@@ -941,7 +941,7 @@ def split_bounds_kernel(
         _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner, y_stride_outer,
                       y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
                       SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, TOP_TWO_START, EARLY_ZEROS,
-                          SHARE_STEPS)
+                      SHARE_STEPS)
 
 
 @triton.jit
