@@ -209,6 +209,18 @@ def _entmax_top_two_start(d2):
 
 
 @triton.jit
+def _entmax_subset_bound(d):
+    """sparsemax's `_sparsemax_subset_bound` for entmax-1.5, in d = x - max (its tau in
+    z = d / 2, doubled): a lower bound on the row's tau from a subset of its entries."""
+    largest, start = _row_max_and_start(tl.reshape(d, [1, d.shape[2]]), True,
+                                        _entmax_top_two_start)
+    start += largest * 0.5  # in z, relative to the subset's own largest
+    pivot, step = _entmax_threshold(d * 0.5, start, tl.zeros_like(start))[:2]
+    tau = 2.0 * (pivot + step)
+    return tl.where(tau == tau, tau - TOP_TWO_MARGIN, -float("inf"))
+
+
+@triton.jit
 def _entmax_tile(z, pivot, step, bad):
     t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
     return tl.where(bad[:, None, None], float("nan"), t * t)
@@ -297,7 +309,8 @@ def entmax15_split_threshold_kernel(
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     # In d = x - max, tau >= -2.
-    row_max, bound = _split_row_start(PART, row, n_splits, SPLITS, compute, -2.0)
+    row_max, bound = _split_row_start(PART, row, n_splits, SPLITS, compute, -2.0,
+                                      _entmax_subset_bound)
     pivot = bound * 0.5
     step = tl.zeros_like(pivot)
     centre = tl.zeros_like(pivot)
@@ -366,6 +379,7 @@ class Entmax15SplitRows(SplitRows):
     bound_groups_by_rows = {False: ENTMAX_BOUND_GROUPS, True: ENTMAX_BOUND_GROUPS}
     threshold_kernel = entmax15_split_threshold_kernel
     lowest_threshold = -2.0
+    subset_bound = _entmax_subset_bound
     compact_tiles = {}  # its row pass does not compact
     # By (entry bytes, n_rows >= SPLIT_MANY_ROWS). H100 (NOTES v72 measured), forward fp32:
     # 1 x 4194304 uniform 3.5x and randn x 0.01 10.7x faster, randn 26% (its rows not held

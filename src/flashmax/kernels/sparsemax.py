@@ -1098,12 +1098,31 @@ def _compacted_tile(Y, row, scratch, kept, room, inner, y_stride_outer, y_stride
 
 
 @triton.jit
+def _sparsemax_subset_bound(d):
+    """The exact tau of a subset of a row, d = its entries less the row's max [1, 1, SPLITS]
+    (-inf padding), less TOP_TWO_MARGIN against its rounding: a lower bound on the row's tau
+    (`_split_row_start`); -inf where d holds a NaN."""
+    largest, start = _row_max_and_start(tl.reshape(d, [1, d.shape[2]]), True,
+                                        _sparsemax_top_two_start)
+    start += largest  # relative to the subset's own largest
+    pivot, step = _newton_threshold(d, start, tl.zeros_like(start), False)[:2]
+    tau = pivot + step
+    return tl.where(tau == tau, tau - TOP_TWO_MARGIN, -float("inf"))
+
+
+@triton.jit
 def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.constexpr,
-                     FLOOR: tl.constexpr):
+                     FLOOR: tl.constexpr, SUBSET_BOUND: tl.constexpr):
     """A split row's max [1] from its chunks' (PART), and their best bound on its threshold
     relative to that max, at least FLOOR (the op's lowest threshold: -1 for sparsemax): the
-    largest of their bounds, or the smallest of their share bounds (`_chunk_bounds`) if that
-    is larger."""
+    largest of their bounds and of SUBSET_BOUND's (the op's, `_sparsemax_subset_bound`) on
+    each SPLITS of their maxima, or the smallest of their share bounds (`_chunk_bounds`) if
+    that is larger.
+
+    The chunk maxima's: on randn rows the largest chunk bound is often FLOOR (the chunk that
+    holds the row's max, far above its own group maxima, stops its Newton at once), from where
+    the row pass took 3-7 Newton steps at 1 x 4194304; the few entries of such a row's support
+    lie one to a chunk, so from their maxima's tau it takes about one (NOTES v75)."""
     row_max = tl.full([1], -float("inf"), compute)
     for first in range(0, n_splits, SPLITS):
         splits = first + tl.arange(0, SPLITS)
@@ -1122,6 +1141,8 @@ def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.cons
         finite = chunk_max > -float("inf")
         chunk_bound = (chunk_max - row_max) + tl.load(part + PART_BOUND, mask=valid, other=0.0)
         bound = tl.maximum(bound, tl.max(tl.where(finite, chunk_bound, FLOOR), 0))
+        maxima = tl.where(finite, chunk_max - row_max, -float("inf"))
+        bound = tl.maximum(bound, SUBSET_BOUND(tl.reshape(maxima, [1, 1, SPLITS])))
         share_bound = (chunk_max - row_max) + tl.load(part + PART_SHARE, mask=valid, other=0.0)
         share_bound = tl.where(finite, tl.maximum(share_bound, FLOOR), FLOOR)
         shared = tl.minimum(shared, tl.min(tl.where(valid, share_bound, 0.0), 0))
@@ -1136,9 +1157,11 @@ def split_prefilter_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, PIECE: tl.constexpr, WIDE: tl.constexpr,
     HELD_WIDTH: tl.constexpr, EARLY_ZEROS: tl.constexpr, FLOOR: tl.constexpr,
+    SUBSET_BOUND: tl.constexpr,
 ):
     """Before split pass 2, one program per chunk: the chunk's candidates above its row's
-    start (`_split_row_start` with the op's lowest threshold FLOOR, less COMPACT_MARGIN),
+    start (`_split_row_start` with the op's lowest threshold FLOOR and SUBSET_BOUND, less
+    COMPACT_MARGIN),
     kept in order in the output's chunk past its stored candidates (the whole chunk where
     none were stored), their column and count in PART (PART_KEPT -1: pass 2 reads the
     chunk's candidates as pass 1 left them).
@@ -1164,7 +1187,8 @@ def split_prefilter_kernel(
     if ~held:
         # The row's start only where the row pass cannot hold the row already (randn rows
         # stop here: one read of the row's PART, not three).
-        row_max, start = _split_row_start(PART, row, n_splits, SPLITS, compute, FLOOR)
+        row_max, start = _split_row_start(PART, row, n_splits, SPLITS, compute, FLOOR,
+                                          SUBSET_BOUND)
         filtering = ~_is_bad(row_max)
         if tl.sum(filtering.to(tl.int32), 0) > 0:
             for offset in range(0, tl.max(width, 0), PIECE):
@@ -1200,7 +1224,8 @@ def sparsemax_split_threshold_kernel(
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     half: tl.constexpr = X.dtype.element_ty.primitive_bitwidth == 16
-    row_max, tau = _split_row_start(PART, row, n_splits, SPLITS, compute, -1.0)
+    row_max, tau = _split_row_start(PART, row, n_splits, SPLITS, compute, -1.0,
+                                    _sparsemax_subset_bound)
     pivot = tau
     step = tl.zeros_like(tau)
     centre = tl.zeros_like(tau)
@@ -1681,6 +1706,7 @@ class SplitRows:
     early_zeros_by_rows = SPLIT_EARLY_ZEROS
     threshold_kernel = sparsemax_split_threshold_kernel
     lowest_threshold = -1.0  # in x - max (`_split_row_start`'s FLOOR)
+    subset_bound = _sparsemax_subset_bound  # `_split_row_start`'s SUBSET_BOUND
     compact_tiles = SPLIT_COMPACT_TILE
     prefilter_tiles = SPLIT_PREFILTER_TILE
     held_tile = HELD_TILE
@@ -1771,7 +1797,7 @@ class SplitRows:
                 CHUNK=self.chunk, SPLITS=self.row_pass["SPLITS"],
                 PIECE=min(PREFILTER_PIECE, self.chunk), WIDE=self.row_pass["WIDE"],
                 HELD_WIDTH=self.held_width, EARLY_ZEROS=self.early_zeros,
-                FLOOR=self.lowest_threshold, num_warps=4)
+                FLOOR=self.lowest_threshold, SUBSET_BOUND=self.subset_bound, num_warps=4)
         self.threshold_kernel[(self.n_rows,)](
             self.x, self.y, self.part, state, self.n_splits, self.n, self.inner, *self.strides,
             **self.row_pass, **self.threshold_options())
