@@ -1139,11 +1139,12 @@ def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.cons
         # A chunk's bounds in the row's coordinates; chunks with no finite entry bound nothing
         # and hold no share of the row (their bounds, NaN, count as FLOOR).
         finite = chunk_max > -float("inf")
-        chunk_bound = (chunk_max - row_max) + tl.load(part + PART_BOUND, mask=valid, other=0.0)
+        offset = chunk_max - row_max
+        chunk_bound = offset + tl.load(part + PART_BOUND, mask=valid, other=0.0)
         bound = tl.maximum(bound, tl.max(tl.where(finite, chunk_bound, FLOOR), 0))
-        maxima = tl.where(finite, chunk_max - row_max, -float("inf"))
+        maxima = tl.where(finite, offset, -float("inf"))
         bound = tl.maximum(bound, SUBSET_BOUND(tl.reshape(maxima, [1, 1, SPLITS])))
-        share_bound = (chunk_max - row_max) + tl.load(part + PART_SHARE, mask=valid, other=0.0)
+        share_bound = offset + tl.load(part + PART_SHARE, mask=valid, other=0.0)
         share_bound = tl.where(finite, tl.maximum(share_bound, FLOOR), FLOOR)
         shared = tl.minimum(shared, tl.min(tl.where(valid, share_bound, 0.0), 0))
     # A margin against the roundings of the shift to the row's coordinates.
