@@ -35,9 +35,9 @@ from .sparsemax import (GRADIENT_ROW_STRIDES, MAX_DRIFT, ROW_THREAD_ENTRIES, SPL
                         _entry_offsets, _group_max, _held_candidates, _is_bad, _load_raw_rows,
                         _load_y_g, _map_rows, _next_power_of_2, _row_max_and_start, _row_partials,
                         _sparsemax_top_two_start, _split_gradient_chunk, _split_row_start,
-                        _split_y_g_chunk, _store_partials, _store_rows, _strided,
-                        _subset_could_raise, _support_found, _tile_threshold, _wide, kept_launch,
-                        launch_backward, launch_forward, max_block_n, row_align, rows_launch)
+                        _split_y_g_chunk, _store_partials, _store_rows, _strided, _support_found,
+                        _tile_threshold, _wide, kept_launch, launch_backward, launch_forward,
+                        max_block_n, row_align, rows_launch)
 
 # Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
 # faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
@@ -209,24 +209,15 @@ def _entmax_top_two_start(d2):
 
 
 @triton.jit
-def _entmax_ceiling_gap(count):
-    return 2.0 / tl.sqrt(count)
-
-
-@triton.jit
-def _entmax_subset_bound(d, best):
+def _entmax_subset_bound(d):
     """sparsemax's `_sparsemax_subset_bound` for entmax-1.5, in d = x - max (its tau in
-    z = d / 2, doubled): the larger of best and a lower bound on the row's tau from a subset
-    of its entries (count entries all equal to their largest: tau = largest - 2 / sqrt(count))."""
-    bound = best
-    if _subset_could_raise(d, best, _entmax_ceiling_gap):
-        largest, start = _row_max_and_start(tl.reshape(d, [1, d.shape[2]]), True,
-                                            _entmax_top_two_start)
-        start += largest * 0.5  # in z, relative to the subset's own largest
-        pivot, step = _entmax_threshold(d * 0.5, start, tl.zeros_like(start))[:2]
-        tau = 2.0 * (pivot + step)
-        bound = tl.maximum(best, tl.where(tau == tau, tau - TOP_TWO_MARGIN, -float("inf")))
-    return bound
+    z = d / 2, doubled): a lower bound on the row's tau from a subset of its entries."""
+    largest, start = _row_max_and_start(tl.reshape(d, [1, d.shape[2]]), True,
+                                        _entmax_top_two_start)
+    start += largest * 0.5  # in z, relative to the subset's own largest
+    pivot, step = _entmax_threshold(d * 0.5, start, tl.zeros_like(start))[:2]
+    tau = 2.0 * (pivot + step)
+    return tl.where(tau == tau, tau - TOP_TWO_MARGIN, -float("inf"))
 
 
 @triton.jit

@@ -1098,36 +1098,16 @@ def _compacted_tile(Y, row, scratch, kept, room, inner, y_stride_outer, y_stride
 
 
 @triton.jit
-def _subset_could_raise(d, best, ceiling_gap):
-    """Whether the tau of a subset of a row, d = its entries less the row's max [1, 1, SPLITS]
-    (-inf padding), could exceed best [1]: that tau is at most the subset's largest less
-    ceiling_gap(count) (the tau of count entries all equal to it). A subset of no entries, or
-    one with a NaN, bounds nothing (its comparison is false)."""
-    entries = tl.reshape(d, [1, d.shape[2]])
-    count = tl.sum((entries > -float("inf")).to(tl.float32), 1)
-    return tl.max(tl.max(entries, 1) - ceiling_gap(count) - best, 0) > 0
-
-
-@triton.jit
-def _sparsemax_ceiling_gap(count):
-    return 1.0 / count
-
-
-@triton.jit
-def _sparsemax_subset_bound(d, best):
-    """The larger of best [1] and the exact tau of a subset of a row, d = its entries less the
-    row's max [1, 1, SPLITS] (-inf padding), less TOP_TWO_MARGIN against its rounding: lower
-    bounds on the row's tau (`_split_row_start`). The subset's Newton runs only where its tau
-    could exceed best (dense rows' maxima, all near the max, cannot beat their share bound)."""
-    bound = best
-    if _subset_could_raise(d, best, _sparsemax_ceiling_gap):
-        largest, start = _row_max_and_start(tl.reshape(d, [1, d.shape[2]]), True,
-                                            _sparsemax_top_two_start)
-        start += largest  # relative to the subset's own largest
-        pivot, step = _newton_threshold(d, start, tl.zeros_like(start), False)[:2]
-        tau = pivot + step
-        bound = tl.maximum(best, tl.where(tau == tau, tau - TOP_TWO_MARGIN, -float("inf")))
-    return bound
+def _sparsemax_subset_bound(d):
+    """The exact tau of a subset of a row, d = its entries less the row's max [1, 1, SPLITS]
+    (-inf padding), less TOP_TWO_MARGIN against its rounding: a lower bound on the row's tau
+    (`_split_row_start`); -inf where d holds a NaN."""
+    largest, start = _row_max_and_start(tl.reshape(d, [1, d.shape[2]]), True,
+                                        _sparsemax_top_two_start)
+    start += largest  # relative to the subset's own largest
+    pivot, step = _newton_threshold(d, start, tl.zeros_like(start), False)[:2]
+    tau = pivot + step
+    return tl.where(tau == tau, tau - TOP_TWO_MARGIN, -float("inf"))
 
 
 @triton.jit
@@ -1135,8 +1115,9 @@ def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.cons
                      FLOOR: tl.constexpr, SUBSET_BOUND: tl.constexpr):
     """A split row's max [1] from its chunks' (PART), and their best bound on its threshold
     relative to that max, at least FLOOR (the op's lowest threshold: -1 for sparsemax): the
-    largest of their bounds, of the smallest of their share bounds (`_chunk_bounds`) and of
-    SUBSET_BOUND's (the op's, `_sparsemax_subset_bound`) on each SPLITS of their maxima.
+    largest of their bounds and of SUBSET_BOUND's (the op's, `_sparsemax_subset_bound`) on
+    each SPLITS of their maxima, or the smallest of their share bounds (`_chunk_bounds`) if
+    that is larger.
 
     The chunk maxima's: on randn rows the largest chunk bound is often FLOOR (the chunk that
     holds the row's max, far above its own group maxima, stops its Newton at once), from where
@@ -1161,19 +1142,13 @@ def _split_row_start(PART, row, n_splits, SPLITS: tl.constexpr, compute: tl.cons
         offset = chunk_max - row_max
         chunk_bound = offset + tl.load(part + PART_BOUND, mask=valid, other=0.0)
         bound = tl.maximum(bound, tl.max(tl.where(finite, chunk_bound, FLOOR), 0))
+        maxima = tl.where(finite, offset, -float("inf"))
+        bound = tl.maximum(bound, SUBSET_BOUND(tl.reshape(maxima, [1, 1, SPLITS])))
         share_bound = offset + tl.load(part + PART_SHARE, mask=valid, other=0.0)
         share_bound = tl.where(finite, tl.maximum(share_bound, FLOOR), FLOOR)
         shared = tl.minimum(shared, tl.min(tl.where(valid, share_bound, 0.0), 0))
     # A margin against the roundings of the shift to the row's coordinates.
-    bound = tl.maximum(bound, shared + shared * CANDIDATE_MARGIN)
-    # The maxima last, against the best of the others (SUBSET_BOUND skips what cannot beat it).
-    for first in range(0, n_splits, SPLITS):
-        splits = first + tl.arange(0, SPLITS)
-        part = PART + (row * n_splits + splits) * PART_SIZE
-        chunk_max = tl.load(part + PART_MAX, mask=splits < n_splits, other=-float("inf"))
-        maxima = tl.where(chunk_max > -float("inf"), chunk_max - row_max, -float("inf"))
-        bound = SUBSET_BOUND(tl.reshape(maxima, [1, 1, SPLITS]), bound)
-    return row_max, bound
+    return row_max, tl.maximum(bound, shared + shared * CANDIDATE_MARGIN)
 
 
 @triton.jit
