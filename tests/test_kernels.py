@@ -883,21 +883,27 @@ def test_register_cap_reaches_the_launch(monkeypatch):
         assert launched[-1]["maxnreg"] == want, launched[-1]
     kernels.sparsemax_forward(x, 1, out=torch.empty_like(x))
     assert launched[-1]["maxnreg"] is None
-    # By default, ROW_REGISTER_CAPS' caps: 2-byte rows of 64-1024, 8192 and 16384 entries;
-    # 0 uncaps.
-    for dtype, n, cap, want in [(torch.bfloat16, 8192, None, 128),
-                                (torch.bfloat16, 10000, None, 168),
-                                (torch.bfloat16, 8192, 0, None),
-                                (torch.float32, 8192, None, None),
-                                (torch.bfloat16, 4096, None, None),
-                                (torch.bfloat16, 64, None, 80),
-                                (torch.bfloat16, 1000, None, 80),
-                                (torch.float32, 1000, None, None),
-                                (torch.bfloat16, 32, None, None),
-                                (torch.bfloat16, 2048, None, None)]:
-        rows = torch.randn(2, n, device=DEVICE).to(dtype)
-        kernels.sparsemax_forward(rows, 1, out=torch.empty_like(rows), max_registers=cap)
-        assert launched[-1]["maxnreg"] == want, (dtype, n, cap, launched[-1])
+    # By default, ROW_REGISTER_CAPS' caps: 2-byte rows of 64-1024, 8192 and 16384 entries,
+    # the first from ROW_REGISTER_CAPS_FROM's programs a SM (64 of one multiprocessor here:
+    # 16 rows of 64 entries a program, 1 of 1000); 0 uncaps.
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda device: 1)
+    for dtype, rows, n, cap, want in [(torch.bfloat16, 2, 8192, None, 128),
+                                      (torch.bfloat16, 2, 10000, None, 168),
+                                      (torch.bfloat16, 2, 8192, 0, None),
+                                      (torch.float32, 2, 8192, None, None),
+                                      (torch.bfloat16, 2, 4096, None, None),
+                                      (torch.bfloat16, 1024, 64, None, 80),
+                                      (torch.bfloat16, 1008, 64, None, None),
+                                      (torch.bfloat16, 2, 64, None, None),
+                                      (torch.bfloat16, 64, 1000, None, 80),
+                                      (torch.bfloat16, 63, 1000, None, None),
+                                      (torch.bfloat16, 64, 1000, 0, None),
+                                      (torch.float32, 64, 1000, None, None),
+                                      (torch.bfloat16, 4096, 32, None, None),
+                                      (torch.bfloat16, 64, 2048, None, None)]:
+        x = torch.randn(rows, n, device=DEVICE).to(dtype)
+        kernels.sparsemax_forward(x, 1, out=torch.empty_like(x), max_registers=cap)
+        assert launched[-1]["maxnreg"] == want, (dtype, rows, n, cap, launched[-1])
 
 
 def test_register_cap_reaches_split_pass_one(monkeypatch):
