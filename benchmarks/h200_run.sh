@@ -1,19 +1,33 @@
 #!/usr/bin/env bash
-# The GPU run behind benchmarks/results/: the kernel tests on the GPU, then `flashmax bench`.
-# Run from the repository root on a GPU machine without registry access, with the peers' wheels
-# in .whl/ (see benchmarks/NOTES.md) and FLASHMAX_COMMIT set to the commit being measured.
-# Writes under $OUT: fp32/ (JSON, markdown, plots), bf16/ and rand/ (JSON, markdown): 8 files,
-# as many as the device tool brings back (more: archive them, as h200_entmax15_run.sh does).
+# The GPU run behind benchmarks/results/, in stages that each fit one device call (600 s):
+#   benchmarks/h200_run.sh peers   `flashmax bench` fp32 with every peer, then bf16 (~560 s)
+#   benchmarks/h200_run.sh rand    the same on uniform rows (`--dist rand`)
+#   benchmarks/h200_run.sh tests   the GPU test suite (`gpu_tests.sh`, ~210 s on an H100)
+# Run from the repository root on a GPU machine without registry access, with the peers'
+# wheels in .whl/ (see benchmarks/NOTES.md) and FLASHMAX_COMMIT set to the commit being
+# measured. The GPU's name comes first: the device may lend an H100 for an H200 call, whose
+# ratios do not stand for the H200's. Writes under $OUT at most 8 files a stage, as many as
+# the device tool brings back: peers fp32/ (JSON, markdown, plots) and bf16/ (JSON,
+# markdown); rand rand/ (JSON, markdown).
 set -uo pipefail
+stage=${1:-}
+[[ $stage =~ ^(peers|rand|tests)$ ]] || { echo "stage: peers, rand or tests" >&2; exit 2; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+if [[ $stage == tests ]]; then
+    JOBS=12 bash benchmarks/gpu_tests.sh 330
+    exit
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
-FLASHMAX_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-    2>&1 | tail -n 3
-timeout 330 python3 -m flashmax.bench --dtype fp32 --out "$OUT/fp32" | tail -n 40
-timeout 150 python3 -m flashmax.bench --dtype bf16 --impls flashmax torch-sort liger adasplash \
-    --out "$OUT/bf16" | tail -n 5
-timeout 120 python3 -m flashmax.bench --dist rand --impls flashmax liger adasplash \
-    --out "$OUT/rand" | tail -n 5
-rm -f "$OUT"/bf16/*.png "$OUT"/rand/*.png
+case $stage in
+    peers)
+        timeout 330 python3 -m flashmax.bench --dtype fp32 --out "$OUT/fp32" | tail -n 40
+        timeout 230 python3 -m flashmax.bench --dtype bf16 \
+            --impls flashmax torch-sort liger adasplash --out "$OUT/bf16" | tail -n 12
+        rm -f "$OUT"/bf16/*.png ;;
+    rand)
+        timeout 300 python3 -m flashmax.bench --dist rand --impls flashmax liger adasplash \
+            --out "$OUT/rand" | tail -n 12
+        rm -f "$OUT"/rand/*.png ;;
+esac
