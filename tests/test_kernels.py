@@ -884,8 +884,8 @@ def test_register_cap_reaches_the_launch(monkeypatch):
     kernels.sparsemax_forward(x, 1, out=torch.empty_like(x))
     assert launched[-1]["maxnreg"] is None
     # By default, ROW_REGISTER_CAPS' caps: 2-byte rows of 64-1024, 8192 and 16384 entries,
-    # the first from ROW_REGISTER_CAPS_FROM's programs a SM (64 of one multiprocessor here:
-    # 16 rows of 64 entries a program, 1 of 1000); 0 uncaps.
+    # the first from 64 programs a SM (of one multiprocessor here: 16 rows of 64 entries a
+    # program, 1 of 1000); 0 uncaps.
     monkeypatch.setattr(kernels, "_multiprocessors", lambda device: 1)
     for dtype, rows, n, cap, want in [(torch.bfloat16, 2, 8192, None, 128),
                                       (torch.bfloat16, 2, 10000, None, 168),

@@ -58,19 +58,19 @@ ONE_ROW_ENTRIES_PER_THREAD = 64
 # slower; fp32 rows gained nothing and entmax-1.5's forward lost 10%, so they keep 2.
 HALF_ONE_ROW_WARPS = {4096: 4}
 # Sparsemax's forward caps the registers of 2-byte rows of these widths (block_n) held by
-# `rows_launch`'s programs. H100 (NOTES v65 measured), 2048 rows bf16: 8192 151 -> 128
+# `rows_launch`'s programs: (cap, from programs a SM), the cap taken only in launches of at
+# least that many programs a SM. H100 (NOTES v65 measured), 2048 rows bf16: 8192 151 -> 128
 # registers, forward 3% faster on randn, 6% on uniform rows; 16384 255 (62 spill instructions)
 # -> 168 (12), 2.5% and 14%. fp32 gained nothing (slower from 16384); 2-byte 2048 and 32768
 # neither. Short bf16 rows at 80 (NOTES v73, three runs alike): 64-1024 entries randn 3-9%,
 # uniform 5-9% faster; 16 and 32 alike, 2048 19% slower; fp32 16-256 alike, 2048 1.8x slower.
-ROW_REGISTER_CAPS = {(2, 64): 80, (2, 128): 80, (2, 256): 80, (2, 512): 80, (2, 1024): 80,
-                     (2, 8192): 128, (2, 16384): 168}
-# ... but only in launches of at least this many programs a SM (one warp each at 64-1024
-# entries): a cap pays by fitting more programs a SM (25 against 18 uncapped) only where they
-# take several waves, and its spills cost everywhere. H100 (NOTES v77), bf16 64-1024 entries,
-# forward capped against uncapped: 2048 programs (2048 x 1024) +4 to +22%, 4096 -4 to +11%,
-# 8192 -6 to +4%, 12288-32768 -1 to -9%.
-ROW_REGISTER_CAPS_FROM = {(2, 64): 64, (2, 128): 64, (2, 256): 64, (2, 512): 64, (2, 1024): 64}
+# Those one-warp programs pay for the cap's spills by fitting more a SM (25 against 18
+# uncapped) only where they take several waves: H100 (NOTES v77), capped against uncapped,
+# 2048 programs (2048 x 1024) +4 to +22%, 4096 -4 to +11%, 8192 -6 to +4%, 12288-32768 -1
+# to -9%.
+ROW_REGISTER_CAPS = {(2, 64): (80, 64), (2, 128): (80, 64), (2, 256): (80, 64),
+                     (2, 512): (80, 64), (2, 1024): (80, 64), (2, 8192): (128, 0),
+                     (2, 16384): (168, 0)}
 # A row's group maxima lie inside each thread when its chunks (the row's GROUP parts) span the
 # layout: GROUP is the widest that does, up to GROUP_WIDEST. Sparsemax's forward and loss hold
 # rows of WIDE_GROUPS_FROM entries or more one a program with up to SPANNING_GROUP_WIDEST
@@ -1982,8 +1982,9 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices (or, for rows
     adjacent in memory and none of rows_launch's overrides, `adjacent_launch`'s with
     adjacent_values), kept under key; rows_launch's with at most max_registers registers a
-    thread (None: register_caps' cap by (entry bytes, block_n) if any, and if the launch has
-    ROW_REGISTER_CAPS_FROM's programs a SM, else as ptxas chooses; 0: as ptxas chooses)."""
+    thread (None: register_caps' (cap, from programs a SM) by (entry bytes, block_n), the cap
+    if any and the launch has that many programs a SM, else as ptxas chooses; 0: as ptxas
+    chooses)."""
     align = row_align(x, n, x_strides, y_strides)
     adjacent = None
     if group is None and num_warps is None and block_m is None and row_threads is None:
@@ -1994,10 +1995,9 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
                              group, row_threads, thread_entries, align, half_warps,
                              wide_groups_from)
         if max_registers is None and register_caps:
-            size_and_width = (x.element_size(), launch.block_n)
-            from_programs = ROW_REGISTER_CAPS_FROM.get(size_and_width, 0)
+            cap, from_programs = register_caps.get((x.element_size(), launch.block_n), (None, 0))
             if launch.programs >= from_programs * _multiprocessors(x.device):
-                max_registers = register_caps.get(size_and_width)
+                max_registers = cap
     else:
         launch, inner, (x_strides, y_strides) = adjacent
         max_registers = None
