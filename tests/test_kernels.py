@@ -458,6 +458,62 @@ def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
                                oracle_fn=oracle if op == "sparsemax" else entmax15_oracle)
 
 
+def split_rows_of(op: str, x: torch.Tensor, chunk: int):
+    """(the op's split launch over x's rows, in chunks of `chunk`, into a poisoned output)."""
+    split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
+    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, poisoned(x), 1,
+                                                                           chunk)
+    return split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False)
+
+
+@pytest.mark.parametrize("dist", ["randn", "ties", "masked", "tied-max"])
+def test_split_pass_one_stores_each_chunks_second(dist):
+    # PART_SECOND: each chunk's second largest entry, the max itself where two tie at it, -inf
+    # in a chunk of one finite entry or none; the last chunk is partial (1000 = 7 x 128 + 104).
+    x = make(dist, ROWS, 1000, seed=28)
+    x[:, 128:256] = -torch.inf
+    x[:, 300] = x[:, 301] = 50.0
+    x[:, 520] = 40.0
+    x[:, 512:520] = -torch.inf
+    x[:, 521:640] = -torch.inf
+    split = split_rows_of("sparsemax", x, 128)
+    split.bounds()
+    second = split.part.view(ROWS, split.n_splits, -1)[..., kernels.PART_SECOND.value]
+    padded = torch.nn.functional.pad(x, (0, split.n_splits * 128 - 1000), value=-torch.inf)
+    expected = padded.view(ROWS, split.n_splits, 128).topk(2, -1).values[..., 1]
+    assert torch.equal(second.cpu(), expected.cpu()), (second - expected)
+    assert (second[:, 2] == 50.0).all() and (second[:, 1] == -torch.inf).all()
+    assert (second[:, 4] == -torch.inf).all()
+
+
+@pytest.mark.parametrize("op", ["sparsemax", "entmax15"])
+def test_split_row_pass_reads_no_candidate_where_the_maxima_hold_the_support(op):
+    # Row 0's support is four peaks in four chunks, every other entry below them by 2.5: no
+    # chunk's second (PART_SECOND) lies above the row pass's start, so every entry above it is
+    # a chunk's max and the row pass takes its steps over the maxima alone (`_held_candidates`).
+    # Its outputs are exact though the candidates that pass 1 stored in y are poisoned before
+    # the row pass (and restored for the write pass, which reads them too). Row 1 puts two of
+    # the peaks in one chunk: its row pass reads the candidates, and the poison reaches it.
+    chunk = 128
+    x = make("randn", 2, 32 * chunk, seed=29) * 0.1
+    peaks = torch.tensor([3.0, 3.1, 3.2, 3.3], device=x.device)
+    x[0, [5, 5 * chunk + 7, 9 * chunk + 100, 20 * chunk + 64]] = peaks
+    x[1, [5, 5 * chunk + 7, 5 * chunk + 100, 20 * chunk + 64]] = peaks
+    split = split_rows_of(op, x, chunk)
+    y = split.y
+    split.bounds()
+    stored = y.clone()
+    y.fill_(POISON)
+    state = split.threshold()
+    y.copy_(stored)
+    split.write(state)
+    assert not (y == POISON).any(), "some outputs were never written"
+    oracle_fn = oracle if op == "sparsemax" else entmax15_oracle
+    assert_close_to_oracle(y[:1].cpu(), x[:1].cpu(), -1, rtol=1e-6, oracle_fn=oracle_fn)
+    assert not torch.allclose(y[1].double().cpu(), oracle_fn(x[1:].double().cpu(), -1)[0],
+                              atol=1e-3), "row 1 read no poisoned candidate"
+
+
 @pytest.mark.parametrize("config", [{}, {"sparse_write": 1}, {"early_zeros": 32}],
                          ids=["sparse", "rereading", "early-zeros"])
 def test_chunks_without_candidates(config):

@@ -317,8 +317,8 @@ def entmax15_split_threshold_kernel(
     done = _is_bad(row_max)
     held, held_d = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
                                     x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
-                                    y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE,
-                                    PREFILTERED)
+                                    y_stride_n, row_max, bound, CHUNK, SPLITS, HELD_WIDTH,
+                                    WIDE, PREFILTERED)
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:

@@ -118,8 +118,8 @@ PREFETCH_WARPS_PER_SM = 8
 # communicate through a small scratch: per chunk PART_SIZE values, per row STATE_SIZE. Programs
 # are numbered row * n_splits + split. PART_SIZE is a power of two: its offsets are shifts.
 PART_SIZE = tl.constexpr(8)
-PART_MAX, PART_BOUND, PART_COUNT, PART_SHARE, PART_KEPT_AT, PART_KEPT = (
-    tl.constexpr(i) for i in range(6))
+PART_MAX, PART_BOUND, PART_COUNT, PART_SHARE, PART_KEPT_AT, PART_KEPT, PART_SECOND = (
+    tl.constexpr(i) for i in range(7))
 STATE_SIZE = tl.constexpr(4)
 STATE_MAX, STATE_PIVOT, STATE_STEP, STATE_ZERO_BELOW = (tl.constexpr(i) for i in range(4))
 CANDIDATE_MARGIN = tl.constexpr(2.0**-20)
@@ -416,6 +416,27 @@ def _sparsemax_top_two_start(d2):
     """The exact tau in x - max of a row's largest two, d2 = second - max below the max:
     (d2 - 1) / 2, or -1 (the max alone), less TOP_TWO_MARGIN."""
     return tl.maximum((d2 - 1.0) * 0.5 - TOP_TWO_MARGIN, -1.0)
+
+
+@triton.jit
+def _top_two_beside_second(first_a, groups_a, second_a, first_b, groups_b, second_b):
+    # `_top_two` of the group maxima (first, groups), and the second largest of all entries
+    # from each side's own second.
+    first, groups = _top_two(first_a, groups_a, first_b, groups_b)
+    return first, groups, tl.maximum(tl.minimum(first_a, first_b), tl.maximum(second_a, second_b))
+
+
+@triton.jit
+def _chunk_top(x):
+    """A [1, GROUP, WIDTH] tile's group maxima [1, WIDTH], its max [1], the second largest of
+    its group maxima [1] and the second largest of its entries [1] (the max's tie, if any), in
+    one reduction across the threads."""
+    lowest = tl.full(x.shape, -float("inf"), x.dtype)
+    group_max, group_second = tl.reduce((x, lowest), 1, _top_two)
+    chunk_max, maxima_second, chunk_second = tl.reduce(
+        (group_max, tl.full(group_max.shape, -float("inf"), x.dtype), group_second), 1,
+        _top_two_beside_second)
+    return group_max, chunk_max, maxima_second, chunk_second
 
 
 @triton.jit
@@ -866,7 +887,9 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
     chunk's part of the row's support. When they fill at most half the chunk, they are stored
     in the output's chunk (values, then their indices as INDEX bits), so that later passes need
     not read the chunk again; when they are at most EARLY_ZEROS, every other output of the
-    chunk is 0, written here.
+    chunk is 0, written here. The chunk's second largest entry goes to PART too: where no
+    chunk's second lies above the row's start, the row pass needs only the chunks' maxima
+    (`_held_candidates`).
 
     BOUND also gives a share bound: a t at which the chunk's part of the op's sum (F_c(t),
     sum(max(x - t, 0)) for sparsemax) is at least SHARE_SLACK / C of the 1 the row's C chunks
@@ -874,8 +897,10 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
     is a lower bound on its tau (`_split_row_start`): near tau on rows whose chunks are alike."""
     row = pid // n_splits
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
-    group_max = _group_max(x)
-    chunk_max, start = _row_max_and_start(group_max, True, TOP_TWO_START)
+    group_max, chunk_max, maxima_second, chunk_second = _chunk_top(x)
+    # The group maxima's steps start from their own largest two: the chunk's second may lie
+    # in the max's group, and their tau below that of the chunk's largest two.
+    start = TOP_TWO_START(maxima_second - chunk_max)
     share = tl.minimum(SHARE_SLACK / n_splits, 1.0)
     bound, share_bound = BOUND(tl.expand_dims(group_max - chunk_max[:, None], 1), start,
                                BOUND_GROUPS, share, SHARE_STEPS)
@@ -910,6 +935,7 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
     tl.store(part + PART_BOUND, tl.reshape(bound, []))
     tl.store(part + PART_COUNT, count.to(chunk_max.dtype))
     tl.store(part + PART_SHARE, tl.reshape(share_bound, []))
+    tl.store(part + PART_SECOND, tl.reshape(chunk_second, []))
 
 
 @triton.jit
@@ -1025,21 +1051,34 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
 @triton.jit
 def _held_candidates(X, Y, PART, row, n_splits, n, inner,
                      x_stride_outer, x_stride_inner, x_stride_n,
-                     y_stride_outer, y_stride_inner, y_stride_n, row_max,
+                     y_stride_outer, y_stride_inner, y_stride_n, row_max, start,
                      CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
                      WIDE: tl.constexpr, PREFILTERED: tl.constexpr = False):
-    """Whether a split row's candidates fit in one of `_candidate_sums`' tiles (every chunk
-    stored its candidates, at most WIDTH, and SPLITS covers the chunks), and if so that tile as
+    """Whether one of `_candidate_sums`' tiles holds all of a split row's entries that its
+    Newton steps from start (x - max, a lower bound on tau) can sum, and if so that tile as
     z = x - max [1, SPLITS, WIDTH] (else not read): a row pass can keep it in registers across
-    its Newton steps instead of reading it at each."""
+    its steps instead of reading at each.
+
+    Where no chunk's second largest entry (PART_SECOND) lies above start, less COMPACT_MARGIN
+    for the steps' roundings, every entry above it is a chunk's max: the tile holds the
+    maxima, one a chunk, and no candidate is read (randn rows of one to a few million entries,
+    whose supports of 5-15 lie one to a chunk: NOTES, v78). Else the candidates, where every
+    chunk stored its own, at most WIDTH, and SPLITS covers the chunks."""
     splits = tl.arange(0, SPLITS)
+    valid = splits < n_splits
+    part = PART + (row * n_splits + splits) * PART_SIZE
+    second = tl.load(part + PART_SECOND, mask=valid, other=-float("inf")).to(row_max.dtype)
+    maxima_only = (n_splits <= SPLITS) & (tl.max(second - row_max - start, 0) <= -COMPACT_MARGIN)
     first_col, width, stored = _candidate_extent(PART, row, splits, n_splits, n, CHUNK,
                                                  PREFILTERED)
     held = (n_splits <= SPLITS) & (tl.max(width, 0) <= WIDTH)
-    x = _candidate_values(X, Y, row, splits, stored, tl.where(held, width, 0), 0, inner,
-                          x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
+    x = _candidate_values(X, Y, row, splits, stored, tl.where(held & ~maxima_only, width, 0),
+                          0, inner, x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
                           y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE, first_col[:, None])
-    return held, tl.expand_dims(x.to(row_max.dtype) - row_max, 0)
+    chunk_max = tl.load(part + PART_MAX, mask=valid, other=-float("inf")).to(row_max.dtype)
+    maxima = tl.where(tl.arange(0, WIDTH)[None, :] == 0, chunk_max[:, None], -float("inf"))
+    z = tl.where(maxima_only, maxima, x.to(row_max.dtype)) - row_max
+    return held | maxima_only, tl.expand_dims(z, 0)
 
 
 @triton.jit
@@ -1240,7 +1279,7 @@ def sparsemax_split_threshold_kernel(
     done = _is_bad(row_max)
     held, z = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
                                x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
-                               y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE,
+                               y_stride_n, row_max, tau, CHUNK, SPLITS, HELD_WIDTH, WIDE,
                                PREFILTERED)
     pending = tl.sum((~done).to(tl.int32), axis=0)
     if held:
