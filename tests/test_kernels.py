@@ -458,12 +458,12 @@ def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
                                oracle_fn=oracle if op == "sparsemax" else entmax15_oracle)
 
 
-def split_rows_of(op: str, x: torch.Tensor, chunk: int):
-    """(the op's split launch over x's rows, in chunks of `chunk`, into a poisoned output)."""
+def split_rows_of(op: str, x: torch.Tensor, chunk: int, **launch):
+    """The op's split launch over x's rows, in chunks of `chunk`, into a poisoned output."""
     split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
     y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, poisoned(x), 1,
                                                                            chunk)
-    return split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False)
+    return split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False, **launch)
 
 
 @pytest.mark.parametrize("dist", ["randn", "ties", "masked", "tied-max"])
@@ -476,7 +476,7 @@ def test_split_pass_one_stores_each_chunks_second(dist):
     x[:, 520] = 40.0
     x[:, 512:520] = -torch.inf
     x[:, 521:640] = -torch.inf
-    split = split_rows_of("sparsemax", x, 128)
+    split = split_rows_of("sparsemax", x, 128, maxima=True)
     split.bounds()
     second = split.part.view(ROWS, split.n_splits, -1)[..., kernels.PART_SECOND.value]
     padded = torch.nn.functional.pad(x, (0, split.n_splits * 128 - 1000), value=-torch.inf)
@@ -486,20 +486,21 @@ def test_split_pass_one_stores_each_chunks_second(dist):
     assert (second[:, 4] == -torch.inf).all()
 
 
-@pytest.mark.parametrize("op", ["sparsemax", "entmax15"])
-def test_split_row_pass_reads_no_candidate_where_the_maxima_hold_the_support(op):
+@pytest.mark.parametrize("maxima", [True, False], ids=["maxima", "candidates"])
+def test_split_row_pass_reads_no_candidate_where_the_maxima_hold_the_support(maxima):
     # Row 0's support is four peaks in four chunks, every other entry below them by 2.5: no
     # chunk's second (PART_SECOND) lies above the row pass's start, so every entry above it is
-    # a chunk's max and the row pass takes its steps over the maxima alone (`_held_candidates`).
-    # Its outputs are exact though the candidates that pass 1 stored in y are poisoned before
-    # the row pass (and restored for the write pass, which reads them too). Row 1 puts two of
-    # the peaks in one chunk: its row pass reads the candidates, and the poison reaches it.
+    # a chunk's max, and with `maxima` the row pass takes its steps over the maxima alone
+    # (`_held_candidates`). Then its outputs are exact though the candidates that pass 1 stored
+    # in y are poisoned before the row pass (and restored for the write pass, which reads them
+    # too). Row 1 puts two of the peaks in one chunk: its row pass reads the candidates, and
+    # the poison reaches it, as it reaches row 0 without `maxima`.
     chunk = 128
     x = make("randn", 2, 32 * chunk, seed=29) * 0.1
     peaks = torch.tensor([3.0, 3.1, 3.2, 3.3], device=x.device)
     x[0, [5, 5 * chunk + 7, 9 * chunk + 100, 20 * chunk + 64]] = peaks
     x[1, [5, 5 * chunk + 7, 5 * chunk + 100, 20 * chunk + 64]] = peaks
-    split = split_rows_of(op, x, chunk)
+    split = split_rows_of("sparsemax", x, chunk, maxima=maxima)
     y = split.y
     split.bounds()
     stored = y.clone()
@@ -508,10 +509,23 @@ def test_split_row_pass_reads_no_candidate_where_the_maxima_hold_the_support(op)
     y.copy_(stored)
     split.write(state)
     assert not (y == POISON).any(), "some outputs were never written"
-    oracle_fn = oracle if op == "sparsemax" else entmax15_oracle
-    assert_close_to_oracle(y[:1].cpu(), x[:1].cpu(), -1, rtol=1e-6, oracle_fn=oracle_fn)
-    assert not torch.allclose(y[1].double().cpu(), oracle_fn(x[1:].double().cpu(), -1)[0],
-                              atol=1e-3), "row 1 read no poisoned candidate"
+    want = oracle(x.double().cpu(), -1)
+    poisoned_rows = [1] if maxima else [0, 1]
+    for row in range(2):
+        close = torch.allclose(y[row].double().cpu(), want[row], rtol=1e-6, atol=0)
+        assert close != (row in poisoned_rows), (row, (y[row].double().cpu() - want[row]))
+
+
+def test_split_rows_take_the_maxima_by_default_where_measured():
+    # SPLIT_MAXIMA_SUPPORT: 4-byte entries below SPLIT_MANY_ROWS rows; not entmax-1.5.
+    many = kernels.SPLIT_MANY_ROWS
+    for op, rows, dtype, expected in [("sparsemax", 1, torch.float32, True),
+                                      ("sparsemax", many - 1, torch.float32, True),
+                                      ("sparsemax", many, torch.float32, False),
+                                      ("sparsemax", 1, torch.bfloat16, False),
+                                      ("entmax15", 1, torch.float32, False)]:
+        split = split_rows_of(op, torch.ones(rows, 256, dtype=dtype, device=DEVICE), 128)
+        assert split.maxima is expected, (op, rows, dtype)
 
 
 @pytest.mark.parametrize("config", [{}, {"sparse_write": 1}, {"early_zeros": 32}],
@@ -1159,7 +1173,7 @@ def test_scatter_assembly_builds_for_sm90(dtype, index, prefetch):
          f"BOUND_GROUPS={kernels.SPLIT_BOUND_GROUPS[True]}", "BOUND=_sparsemax_chunk_bound",
          "TOP_TWO_START=_sparsemax_top_two_start",
          f"EARLY_ZEROS={kernels.SPLIT_EARLY_ZEROS[True]}",
-         f"SHARE_STEPS={kernels.SPLIT_SHARE_STEPS[False]}"],
+         f"SHARE_STEPS={kernels.SPLIT_SHARE_STEPS[False]}", "SECOND=1"],
         capture_output=True, text=True, env=env, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "registers" in built.stdout, built.stdout

@@ -317,8 +317,8 @@ def entmax15_split_threshold_kernel(
     done = _is_bad(row_max)
     held, held_d = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
                                     x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
-                                    y_stride_n, row_max, bound, CHUNK, SPLITS, HELD_WIDTH,
-                                    WIDE, PREFILTERED)
+                                    y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE,
+                                    PREFILTERED)
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
@@ -381,6 +381,9 @@ class Entmax15SplitRows(SplitRows):
     lowest_threshold = -2.0
     subset_bound = _entmax_subset_bound
     compact_tiles = {}  # its row pass does not compact
+    # Nor step over the chunks' maxima alone: its supports are larger than sparsemax's, so
+    # fewer lie one to a chunk (NOTES v75).
+    maxima_support = frozenset()
     # By (entry bytes, n_rows >= SPLIT_MANY_ROWS). H100 (NOTES v72 measured), forward fp32:
     # 1 x 4194304 uniform 3.5x and randn x 0.01 10.7x faster, randn 26% (its rows not held
     # whole before); 8-32 rows' dense ones 1.3-2.4x, randn within 3%. bf16 (NOTES v73):

@@ -214,6 +214,13 @@ SPLIT_COMPACT_TILE = {(4, False): 8192, (4, True): 8192}
 # dense rows take 16-42% less than with the compaction at 1-2 rows, mostly more from 8; bf16
 # randn rows 11-18% more at 1-32 rows (NOTES v73).
 SPLIT_PREFILTER_TILE = {}
+# Split rows, keyed as SPLIT_COMPACT_TILE, whose pass 1 also stores each chunk's second largest
+# entry, so that the row pass steps over the chunks' maxima alone where they hold the row's
+# support (`_held_candidates`). H100 (NOTES v78), forward: 1 x 4194304 fp32 randn 4.4% faster
+# (the row pass reads none of its ~1240 candidates), 2-4 rows within +1.3%; 2-byte entries,
+# or 8 rows and more, paid more in pass 1 (its third reduced value) than they gained: bf16
+# +0.7 to +1.9% below 8 rows, +5 to +20% from 8.
+SPLIT_MAXIMA_SUPPORT = {(4, False)}
 # The prefilter reads a chunk's candidates this many at a time.
 PREFILTER_PIECE = 1024
 # The row-wise Newton pass sums this many candidates at a time (chunks x entries per chunk),
@@ -879,7 +886,7 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
                   WIDE: tl.constexpr, SCATTER_PTX: tl.constexpr,
                   SCATTER_CONSTRAINTS: tl.constexpr, BOUND_GROUPS: tl.constexpr,
                   BOUND: tl.constexpr, TOP_TWO_START: tl.constexpr, EARLY_ZEROS: tl.constexpr,
-                  SHARE_STEPS: tl.constexpr):
+                  SHARE_STEPS: tl.constexpr, SECOND: tl.constexpr):
     """Split pass 1's work on chunk pid, loaded as x_in: the chunk's max, a lower bound on the
     row's threshold relative to that max (BOUND: the op's, `_sparsemax_chunk_bound` or
     entmax-1.5's, from the chunk's group maxima, starting from TOP_TWO_START's tau of the
@@ -887,9 +894,9 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
     chunk's part of the row's support. When they fill at most half the chunk, they are stored
     in the output's chunk (values, then their indices as INDEX bits), so that later passes need
     not read the chunk again; when they are at most EARLY_ZEROS, every other output of the
-    chunk is 0, written here. The chunk's second largest entry goes to PART too: where no
-    chunk's second lies above the row's start, the row pass needs only the chunks' maxima
-    (`_held_candidates`).
+    chunk is 0, written here. With SECOND the chunk's second largest entry goes to PART too:
+    where no chunk's second lies above the row's start, the row pass needs only the chunks'
+    maxima (`_held_candidates`).
 
     BOUND also gives a share bound: a t at which the chunk's part of the op's sum (F_c(t),
     sum(max(x - t, 0)) for sparsemax) is at least SHARE_SLACK / C of the 1 the row's C chunks
@@ -897,10 +904,14 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
     is a lower bound on its tau (`_split_row_start`): near tau on rows whose chunks are alike."""
     row = pid // n_splits
     x = x_in.to(tl.float64 if x_in.dtype == tl.float64 else tl.float32)
-    group_max, chunk_max, maxima_second, chunk_second = _chunk_top(x)
-    # The group maxima's steps start from their own largest two: the chunk's second may lie
-    # in the max's group, and their tau below that of the chunk's largest two.
-    start = TOP_TWO_START(maxima_second - chunk_max)
+    if SECOND:
+        group_max, chunk_max, maxima_second, chunk_second = _chunk_top(x)
+        # The group maxima's steps start from their own largest two: the chunk's second may
+        # lie in the max's group, and their tau below that of the chunk's largest two.
+        start = TOP_TWO_START(maxima_second - chunk_max)
+    else:
+        group_max = _group_max(x)
+        chunk_max, start = _row_max_and_start(group_max, True, TOP_TWO_START)
     share = tl.minimum(SHARE_SLACK / n_splits, 1.0)
     bound, share_bound = BOUND(tl.expand_dims(group_max - chunk_max[:, None], 1), start,
                                BOUND_GROUPS, share, SHARE_STEPS)
@@ -935,7 +946,8 @@ def _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner,
     tl.store(part + PART_BOUND, tl.reshape(bound, []))
     tl.store(part + PART_COUNT, count.to(chunk_max.dtype))
     tl.store(part + PART_SHARE, tl.reshape(share_bound, []))
-    tl.store(part + PART_SECOND, tl.reshape(chunk_second, []))
+    if SECOND:
+        tl.store(part + PART_SECOND, tl.reshape(chunk_second, []))
 
 
 @triton.jit
@@ -946,7 +958,7 @@ def split_bounds_kernel(
     CHUNK: tl.constexpr, GROUP: tl.constexpr, INDEX: tl.constexpr, WIDE: tl.constexpr,
     SCATTER_PTX: tl.constexpr, SCATTER_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr,
     BOUND_GROUPS: tl.constexpr, BOUND: tl.constexpr, TOP_TWO_START: tl.constexpr,
-    EARLY_ZEROS: tl.constexpr, SHARE_STEPS: tl.constexpr,
+    EARLY_ZEROS: tl.constexpr, SHARE_STEPS: tl.constexpr, SECOND: tl.constexpr,
 ):
     """Split pass 1 (`_chunk_bounds`), one chunk per program; with PREFETCH program p does
     chunks p, p + programs, ... and loads the next one before working on this one, as
@@ -966,14 +978,14 @@ def split_bounds_kernel(
             _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner, y_stride_outer,
                           y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
                           SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, TOP_TWO_START, EARLY_ZEROS,
-                          SHARE_STEPS)
+                          SHARE_STEPS, SECOND)
             x_in = x_next
             pid = following
     else:
         _chunk_bounds(x_in, pid, Y, PART, n_splits, n_rows, n, inner, y_stride_outer,
                       y_stride_inner, y_stride_n, CHUNK, GROUP, INDEX, WIDE, SCATTER_PTX,
                       SCATTER_CONSTRAINTS, BOUND_GROUPS, BOUND, TOP_TWO_START, EARLY_ZEROS,
-                      SHARE_STEPS)
+                      SHARE_STEPS, SECOND)
 
 
 @triton.jit
@@ -1051,34 +1063,43 @@ def _candidate_sums(X, Y, PART, row, n_splits, n, inner,
 @triton.jit
 def _held_candidates(X, Y, PART, row, n_splits, n, inner,
                      x_stride_outer, x_stride_inner, x_stride_n,
-                     y_stride_outer, y_stride_inner, y_stride_n, row_max, start,
+                     y_stride_outer, y_stride_inner, y_stride_n, row_max,
                      CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
-                     WIDE: tl.constexpr, PREFILTERED: tl.constexpr = False):
+                     WIDE: tl.constexpr, PREFILTERED: tl.constexpr = False, start=None,
+                     MAXIMA: tl.constexpr = False):
     """Whether one of `_candidate_sums`' tiles holds all of a split row's entries that its
-    Newton steps from start (x - max, a lower bound on tau) can sum, and if so that tile as
-    z = x - max [1, SPLITS, WIDTH] (else not read): a row pass can keep it in registers across
-    its steps instead of reading at each.
+    Newton steps can sum, and if so that tile as z = x - max [1, SPLITS, WIDTH] (else not
+    read): a row pass can keep it in registers across its steps instead of reading at each.
+    That tile holds the candidates, where every chunk stored its own, at most WIDTH, and
+    SPLITS covers the chunks.
 
-    Where no chunk's second largest entry (PART_SECOND) lies above start, less COMPACT_MARGIN
-    for the steps' roundings, every entry above it is a chunk's max: the tile holds the
-    maxima, one a chunk, and no candidate is read (randn rows of one to a few million entries,
-    whose supports of 5-15 lie one to a chunk: NOTES, v78). Else the candidates, where every
-    chunk stored its own, at most WIDTH, and SPLITS covers the chunks."""
+    With MAXIMA (pass 1 stored each chunk's second largest entry, PART_SECOND), where none
+    lies above start (x - max, the steps' lower bound on tau), less COMPACT_MARGIN for their
+    roundings, every entry above it is a chunk's max: the tile holds the maxima, one a chunk,
+    and no candidate is read (randn rows of millions of entries, whose supports of 5-15 lie
+    one to a chunk: NOTES, v78)."""
     splits = tl.arange(0, SPLITS)
-    valid = splits < n_splits
-    part = PART + (row * n_splits + splits) * PART_SIZE
-    second = tl.load(part + PART_SECOND, mask=valid, other=-float("inf")).to(row_max.dtype)
-    maxima_only = (n_splits <= SPLITS) & (tl.max(second - row_max - start, 0) <= -COMPACT_MARGIN)
     first_col, width, stored = _candidate_extent(PART, row, splits, n_splits, n, CHUNK,
                                                  PREFILTERED)
     held = (n_splits <= SPLITS) & (tl.max(width, 0) <= WIDTH)
+    if MAXIMA:
+        valid = splits < n_splits
+        part = PART + (row * n_splits + splits) * PART_SIZE
+        second = tl.load(part + PART_SECOND, mask=valid, other=-float("inf")).to(row_max.dtype)
+        maxima_only = (n_splits <= SPLITS) & (tl.max(second - row_max - start, 0)
+                                              <= -COMPACT_MARGIN)
+    else:
+        maxima_only = held & False
     x = _candidate_values(X, Y, row, splits, stored, tl.where(held & ~maxima_only, width, 0),
                           0, inner, x_stride_outer, x_stride_inner, x_stride_n, y_stride_outer,
                           y_stride_inner, y_stride_n, CHUNK, WIDTH, WIDE, first_col[:, None])
-    chunk_max = tl.load(part + PART_MAX, mask=valid, other=-float("inf")).to(row_max.dtype)
-    maxima = tl.where(tl.arange(0, WIDTH)[None, :] == 0, chunk_max[:, None], -float("inf"))
-    z = tl.where(maxima_only, maxima, x.to(row_max.dtype)) - row_max
-    return held | maxima_only, tl.expand_dims(z, 0)
+    z = x.to(row_max.dtype)
+    if MAXIMA:
+        chunk_max = tl.load(part + PART_MAX, mask=valid, other=-float("inf")).to(row_max.dtype)
+        z = tl.where(maxima_only,
+                     tl.where(tl.arange(0, WIDTH)[None, :] == 0, chunk_max[:, None],
+                              -float("inf")), z)
+    return held | maxima_only, tl.expand_dims(z - row_max, 0)
 
 
 @triton.jit
@@ -1259,14 +1280,14 @@ def sparsemax_split_threshold_kernel(
     y_stride_outer, y_stride_inner, y_stride_n,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, WIDTH: tl.constexpr, WIDE: tl.constexpr,
     HELD_WIDTH: tl.constexpr, COMPACT: tl.constexpr, EARLY_ZEROS: tl.constexpr,
-    PREFILTERED: tl.constexpr,
+    PREFILTERED: tl.constexpr, MAXIMA: tl.constexpr,
 ):
     """Split pass 2, one program per row: the row's max and exact tau, by Newton from the best
     chunk bound over the chunks' candidates (with PREFILTERED, those above the start that
     `split_prefilter_kernel` kept): held in registers when a [SPLITS, HELD_WIDTH] tile holds
     them, else read at each step; with COMPACT > 0 each such read also keeps those above its
     tau, and once a tile of COMPACT holds them (`_compacted_tile`) the later steps go over that
-    tile."""
+    tile. With MAXIMA, only the chunks' maxima where they hold the support (`_held_candidates`)."""
     row = tl.program_id(0)
     compute: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     half: tl.constexpr = X.dtype.element_ty.primitive_bitwidth == 16
@@ -1279,8 +1300,8 @@ def sparsemax_split_threshold_kernel(
     done = _is_bad(row_max)
     held, z = _held_candidates(X, Y, PART, row, n_splits, n, inner, x_stride_outer,
                                x_stride_inner, x_stride_n, y_stride_outer, y_stride_inner,
-                               y_stride_n, row_max, tau, CHUNK, SPLITS, HELD_WIDTH, WIDE,
-                               PREFILTERED)
+                               y_stride_n, row_max, CHUNK, SPLITS, HELD_WIDTH, WIDE,
+                               PREFILTERED, tau, MAXIMA)
     pending = tl.sum((~done).to(tl.int32), axis=0)
     if held:
         while pending > 0:
@@ -1742,7 +1763,10 @@ class SplitRows:
     hold whole (`_compacted_tile`),
     `prefilter_tile` (default its `prefilter_tiles`, keyed alike; 0: none; not with
     `compact_tile`) the row pass's held tile of the candidates above its start that
-    `split_prefilter_kernel` keeps before it.
+    `split_prefilter_kernel` keeps before it, `maxima` (default: whether the op's
+    `maxima_support` holds (entry bytes, n_rows >= SPLIT_MANY_ROWS)) whether pass 1 stores
+    each chunk's second largest entry for the row pass to step over the chunks' maxima alone
+    where they hold the support (`_held_candidates`).
     Another op (entmax-1.5) subclasses it with its own chunk bound and its defaults, row pass
     and outputs."""
 
@@ -1755,13 +1779,14 @@ class SplitRows:
     subset_bound = _sparsemax_subset_bound  # `_split_row_start`'s SUBSET_BOUND
     compact_tiles = SPLIT_COMPACT_TILE
     prefilter_tiles = SPLIT_PREFILTER_TILE
+    maxima_support = SPLIT_MAXIMA_SUPPORT
     held_tile = HELD_TILE
     outputs = _outputs_within
 
     def __init__(self, x, y, n_rows, n, inner, x_strides, y_strides, chunk, wide, group=None,
                  num_warps=None, sparse_write=None, threshold_tile=None, programs_per_sm=None,
                  bound_groups=None, early_zeros=None, share_steps=None, max_registers=None,
-                 compact_tile=None, prefilter_tile=None):
+                 compact_tile=None, prefilter_tile=None, maxima=None):
         entries, warps = SPLIT_LAUNCH[n_rows >= SPLIT_MANY_ROWS]
         chunk = min(chunk, entries // 2 if x.dtype == torch.float64 else entries)
         if num_warps is None:
@@ -1781,6 +1806,8 @@ class SplitRows:
         if early_zeros is None:
             early_zeros = self.early_zeros_by_rows[n_rows >= SPLIT_MANY_ROWS]
         self.early_zeros = min(self.sparse, _next_power_of_2(early_zeros) if early_zeros else 0)
+        size_and_rows = (x.element_size(), n_rows >= SPLIT_MANY_ROWS)
+        self.maxima = size_and_rows in self.maxima_support if maxima is None else maxima
         self.bounds_options = dict(zip(("SCATTER_PTX", "SCATTER_CONSTRAINTS"),
                                        scatter_ptx(y.element_size())), PREFETCH=programs < chunks,
                                    BOUND_GROUPS=self.bound_groups_by_rows[
@@ -1790,7 +1817,7 @@ class SplitRows:
                                    EARLY_ZEROS=self.early_zeros,
                                    SHARE_STEPS=self.default_share_steps(n_rows, x.element_size())
                                    if share_steps is None else share_steps,
-                                   maxnreg=max_registers or None)
+                                   SECOND=self.maxima, maxnreg=max_registers or None)
         tile = self.default_threshold_tile(n_rows) if threshold_tile is None else threshold_tile
         splits = min(_next_power_of_2(self.n_splits), tile)
         self.tile_entries = tile
@@ -1798,7 +1825,6 @@ class SplitRows:
                              WIDE=wide, num_warps=max(1, min(16, tile // 1024)))
         self.held_width = self._width(splits, tile=min(tile, self.held_tile))
         # Either one given turns the other's default off.
-        size_and_rows = (x.element_size(), n_rows >= SPLIT_MANY_ROWS)
         if compact_tile is None:
             compact_tile = 0 if prefilter_tile else self.compact_tiles.get(size_and_rows, 0)
         self.compact_tile = compact_tile
@@ -1853,7 +1879,7 @@ class SplitRows:
         """The row pass's options beside `row_pass`."""
         return dict(HELD_WIDTH=self.held_width, COMPACT=_next_power_of_2(self.compact_tile)
                     if self.compact_tile else 0, EARLY_ZEROS=self.early_zeros,
-                    PREFILTERED=self.prefilter_tile > 0)
+                    PREFILTERED=self.prefilter_tile > 0, MAXIMA=self.maxima)
 
     def sums(self, row_max: torch.Tensor, taus: torch.Tensor, centre: torch.Tensor):
         """[points, 3, rows] float64: one Newton step's (sum, count, smallest) of each row at
