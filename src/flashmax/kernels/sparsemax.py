@@ -2124,8 +2124,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
                       block_m=None, chunk=None, sparse_write=None, threshold_tile=None,
                       programs_per_sm=None, bound_groups=None, row_threads=None,
                       adjacent_values=None, early_zeros=None, share_steps=None,
-                      max_registers=None, compact_tile=None,
-                      prefilter_tile=None) -> torch.Tensor:
+                      max_registers=None, compact_tile=None, prefilter_tile=None,
+                      maxima=None) -> torch.Tensor:
     """Launch the forward kernel into `out` (new if None, else of x's shape and dtype, not
     overlapping x).
 
@@ -2135,7 +2135,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
     `sparse_write` (default SPARSE_WRITE) caps the candidates of a chunk written without
     reading it again; `threshold_tile` (default THRESHOLD_TILE's) is the row pass's tile.
     `programs_per_sm` as in `rows_launch` (split rows: pass 1's, `SplitRows`), and
-    `bound_groups`, `early_zeros`, `share_steps`, `compact_tile` and `prefilter_tile`
+    `bound_groups`, `early_zeros`, `share_steps`, `compact_tile`, `prefilter_tile` and `maxima`
     (`SplitRows`),
     `row_threads` (`rows_launch`), `adjacent_values` (`adjacent_launch`'s values),
     `max_registers` (`launch_rows`, default ROW_REGISTER_CAPS'; split rows: pass 1's,
@@ -2146,7 +2146,8 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
                 and chunk is None and sparse_write is None and threshold_tile is None
                 and programs_per_sm is None and bound_groups is None and row_threads is None
                 and adjacent_values is None and early_zeros is None and share_steps is None
-                and max_registers is None and compact_tile is None and prefilter_tile is None)
+                and max_registers is None and compact_tile is None and prefilter_tile is None
+                and maxima is None)
     out, key, replayed = kept_launch(FORWARD_LAUNCHES, defaults, dim, out, x)
     if replayed:
         return out
@@ -2154,7 +2155,7 @@ def sparsemax_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps
         SplitRows, group=group, num_warps=num_warps, sparse_write=sparse_write,
         threshold_tile=threshold_tile, programs_per_sm=programs_per_sm, bound_groups=bound_groups,
         early_zeros=early_zeros, share_steps=share_steps, max_registers=max_registers,
-        compact_tile=compact_tile, prefilter_tile=prefilter_tile)
+        compact_tile=compact_tile, prefilter_tile=prefilter_tile, maxima=maxima)
     return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           row_threads=row_threads,
