@@ -395,6 +395,14 @@ def split_row_starts(split) -> torch.Tensor:
     return out.double().cpu()
 
 
+def split_rows_of(op: str, x: torch.Tensor, chunk: int, **launch):
+    """The op's split launch over x's rows, in chunks of `chunk`, into a poisoned output."""
+    split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
+    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, poisoned(x), 1,
+                                                                           chunk)
+    return split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False, **launch)
+
+
 @pytest.mark.parametrize("op", ["sparsemax", "entmax15"])
 @pytest.mark.parametrize("dist", ["rand", "randn", "tiny", "offset", "ties", "masked",
                                   "rand-masked-chunk"])
@@ -416,14 +424,12 @@ def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
     x = make(dist.split("-")[0], row_count, 4096, seed=26)
     if dist == "rand-masked-chunk":
         x[:, 256:384] = -torch.inf
-    split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
-    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, poisoned(x), 1,
-                                                                           128)
     # Uniform rows with exact chunk bounds (bound_groups=0): only chunks with more than
     # bound_groups group maxima above their bound take the share steps (`_dense_chunk`), which
     # sparsemax's 16 a chunk here need not have.
-    split = split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False,
-                       share_steps=share_steps, bound_groups=0 if dist == "rand" else None)
+    split = split_rows_of(op, x, 128, share_steps=share_steps,
+                          bound_groups=0 if dist == "rand" else None)
+    y, n_rows = split.y, split.n_rows
     split.bounds()
     part = split.part.view(n_rows, split.n_splits, -1).double().cpu()
     chunk_max = part[..., kernels.PART_MAX.value]
@@ -459,14 +465,6 @@ def test_split_row_start_is_a_lower_bound(op, dist, share_steps):
         assert not (y == POISON).any(), "some outputs were never written"
         assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6,
                                oracle_fn=oracle if op == "sparsemax" else entmax15_oracle)
-
-
-def split_rows_of(op: str, x: torch.Tensor, chunk: int, **launch):
-    """The op's split launch over x's rows, in chunks of `chunk`, into a poisoned output."""
-    split_rows = kernels.SplitRows if op == "sparsemax" else entmax_kernels.Entmax15SplitRows
-    y, rows, n_rows, n, inner, x_strides, y_strides, chunk = kernels._rows(x, poisoned(x), 1,
-                                                                           chunk)
-    return split_rows(rows, y, n_rows, n, inner, x_strides, y_strides, chunk, False, **launch)
 
 
 @pytest.mark.parametrize("dist", ["randn", "ties", "masked", "tied-max"])

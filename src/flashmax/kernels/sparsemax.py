@@ -1081,13 +1081,13 @@ def _held_candidates(X, Y, PART, row, n_splits, n, inner,
     splits = tl.arange(0, SPLITS)
     first_col, width, stored = _candidate_extent(PART, row, splits, n_splits, n, CHUNK,
                                                  PREFILTERED)
-    held = (n_splits <= SPLITS) & (tl.max(width, 0) <= WIDTH)
+    covered = n_splits <= SPLITS
+    held = covered & (tl.max(width, 0) <= WIDTH)
     if MAXIMA:
         valid = splits < n_splits
         part = PART + (row * n_splits + splits) * PART_SIZE
         second = tl.load(part + PART_SECOND, mask=valid, other=-float("inf")).to(row_max.dtype)
-        maxima_only = (n_splits <= SPLITS) & (tl.max(second - row_max - start, 0)
-                                              <= -COMPACT_MARGIN)
+        maxima_only = covered & (tl.max(second - row_max - start, 0) <= -COMPACT_MARGIN)
     else:
         maxima_only = held & False
     x = _candidate_values(X, Y, row, splits, stored, tl.where(held & ~maxima_only, width, 0),
