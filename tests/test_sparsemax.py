@@ -719,6 +719,31 @@ def test_compile_dynamic_shapes_and_module():
         torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
 
 
+class _EveryOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sparsemax, self.entmax15 = Sparsemax(dim=-1), flashmax.Entmax15(dim=0)
+        self.bisect = flashmax.EntmaxBisect(alpha=1.7, dim=-1)
+
+    def forward(self, x, target):
+        return (self.sparsemax(x), self.entmax15(x), self.bisect(x),
+                flashmax.sparsemax_loss(x, target), flashmax.entmax15_loss(x, target))
+
+
+def test_export_with_a_dynamic_batch_keeps_every_op():
+    """torch.export keeps each op as one custom op node (their fake implementations give the
+    shapes) and the exported program equals eager at another batch size."""
+    batch = torch.export.Dim("batch", min=2)
+    x, target = torch.randn(6, 9), torch.randint(0, 9, (6,))
+    exported = torch.export.export(_EveryOp(), (x, target), dynamic_shapes=({0: batch}, {0: batch}))
+    names = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert {f"flashmax.{op}.default" for op in (
+        "sparsemax", "entmax15", "entmax_bisect", "sparse_loss")} <= names
+    x, target = torch.randn(11, 9), torch.randint(0, 9, (11,))
+    for got, want in zip(exported.module()(x, target), _EveryOp()(x, target), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # torch.func.vmap (on DEVICE)
 # ----------------------------------------------------------------------------------------------
