@@ -50,6 +50,11 @@ PREFETCH_ROWS = (1024, 2048)
 # distribution. 2-byte rows (16 spanning groups) lost 7-8% on uniform rows, gained 6% at 32768
 # randn.
 WIDE_GROUPS_FROM_BY_SIZE = {4: 16384}
+# 2-byte rows of these widths (block_n) held one a program take this many warps (`rows_launch`'s
+# half_warps). H100 (NOTES v79): bf16 16384 over 8 warps (128 registers) against 4 (254),
+# forward 6-10% faster at 256-8192 rows on randn and uniform rows; 4096 and 8192 keep 2 and 4
+# (2, 8 and 16 warps slower there), 32768 its 8; fp32 16384 within 3% either way, so it keeps 4.
+HALF_ROW_WARPS = {16384: 8}
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
 # The split row pass's tile (`SplitRows`), by n_rows >= THRESHOLD_TILE_ROWS: entries of
@@ -231,10 +236,12 @@ def _entmax15_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     """entmax-1.5 of each row of a [BLOCK_M, GROUP, WIDTH] tile of the input's dtype, in the
     compute dtype (the same code whether the program holds the next tile, PREFETCHING, or
     not)."""
+    # Tiles of several 2-byte rows start from their largest two too: H100 (NOTES v66), bf16
+    # randn rows of 16-512 entries 2.5-4.6% faster, uniform rows within 1.4%.
+    top_two: tl.constexpr = (x.shape[0] == 1 and GROUP > 1) or x.dtype.primitive_bitwidth == 16
     x = _compute_dtype(x)
     group_max = _group_max(x)
-    row_max, start = _row_max_and_start(group_max, x.shape[0] == 1 and GROUP > 1,
-                                        _entmax_top_two_start)
+    row_max, start = _row_max_and_start(group_max, top_two, _entmax_top_two_start)
     z = (x - row_max[:, None, None]) * 0.5
     pivot, step, _ = _entmax_tile_threshold(z, (group_max - row_max[:, None]) * 0.5, GROUP,
                                             not PREFETCHING, start)
@@ -604,7 +611,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           prefetch_rows=PREFETCH_ROWS, row_threads=row_threads,
-                          thread_entries=None,
+                          thread_entries=None, half_warps=HALF_ROW_WARPS,
                           wide_groups_from=WIDE_GROUPS_FROM_BY_SIZE.get(x.element_size()),
                           max_registers=max_registers)
 

@@ -1975,8 +1975,8 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
         num_warps = default_warps
         if block_m == 1 and block_n <= ONE_ROW_WIDEST:
             num_warps = max(1, block_n // (32 * ONE_ROW_ENTRIES_PER_THREAD))
-            if x.element_size() == 2 and half_warps:
-                num_warps = half_warps.get(block_n, num_warps)
+        if block_m == 1 and x.element_size() == 2 and half_warps:
+            num_warps = half_warps.get(block_n, num_warps)
     if programs_per_sm is None:
         programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps) if prefetching else 0
     blocks = -(-n_rows // block_m)
