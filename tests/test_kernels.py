@@ -591,6 +591,14 @@ def test_launch_heuristic():
         launch = kernels.rows_launch(x.to(dtype), 64 * sms, 4096,
                                      half_warps=kernels.HALF_ONE_ROW_WARPS)
         assert launch.num_warps == want_warps, (dtype, launch)
+    # entmax-1.5's holds 2-byte rows of 16384 entries (past ONE_ROW_WIDEST) over 8 warps, as
+    # 12000 pads to; its other widths and fp32 rows keep the default's.
+    for dtype, n, want_warps in [(torch.bfloat16, 16384, 8), (torch.float16, 12000, 8),
+                                 (torch.float32, 16384, 4), (torch.bfloat16, 8192, 4),
+                                 (torch.bfloat16, 32768, 8), (torch.bfloat16, 4096, 2)]:
+        launch = kernels.rows_launch(x.to(dtype), 64 * sms, n, prefetch_rows=entmax.PREFETCH_ROWS,
+                                     half_warps=entmax.HALF_ROW_WARPS)
+        assert launch.num_warps == want_warps and launch.block_m == 1, (dtype, n, launch)
     # Its rows of 4096+ entries held one a program take the widest group whose chunks span the
     # layout (one 16-byte vector a thread), up to 32; shorter rows and other kernels up to 8.
     for dtype, n, want_group in [(torch.float32, 2048, 8), (torch.float32, 4096, 16),
