@@ -597,7 +597,7 @@ def test_launch_heuristic():
                                  (torch.float32, 16384, 4), (torch.bfloat16, 8192, 4),
                                  (torch.bfloat16, 32768, 8), (torch.bfloat16, 4096, 2)]:
         launch = kernels.rows_launch(x.to(dtype), 64 * sms, n, prefetch_rows=entmax.PREFETCH_ROWS,
-                                     half_warps=entmax.HALF_ROW_WARPS)
+                                     half_warps=entmax.HALF_ONE_ROW_WARPS)
         assert launch.num_warps == want_warps and launch.block_m == 1, (dtype, n, launch)
     # Its rows of 4096+ entries held one a program take the widest group whose chunks span the
     # layout (one 16-byte vector a thread), up to 32; shorter rows and other kernels up to 8.

@@ -54,7 +54,7 @@ WIDE_GROUPS_FROM_BY_SIZE = {4: 16384}
 # half_warps). H100 (NOTES v79): bf16 16384 over 8 warps (128 registers) against 4 (254),
 # forward 6-10% faster at 256-8192 rows on randn and uniform rows; 4096 and 8192 keep 2 and 4
 # (2, 8 and 16 warps slower there), 32768 its 8; fp32 16384 within 3% either way, so it keeps 4.
-HALF_ROW_WARPS = {16384: 8}
+HALF_ONE_ROW_WARPS = {16384: 8}
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
 # The split row pass's tile (`SplitRows`), by n_rows >= THRESHOLD_TILE_ROWS: entries of
@@ -611,7 +611,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
                           prefetch_rows=PREFETCH_ROWS, row_threads=row_threads,
-                          thread_entries=None, half_warps=HALF_ROW_WARPS,
+                          thread_entries=None, half_warps=HALF_ONE_ROW_WARPS,
                           wide_groups_from=WIDE_GROUPS_FROM_BY_SIZE.get(x.element_size()),
                           max_registers=max_registers)
 
