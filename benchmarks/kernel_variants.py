@@ -270,6 +270,8 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--op", choices=OPS, default="sparsemax")
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time no backward (a change to the forward alone)")
     parser.add_argument("--end-to-end-only", action="store_true",
                         help="only the eager forward + backward against torch.softmax")
     parser.add_argument("--baseline", metavar="FILE", nargs="+", default=[],
@@ -362,7 +364,7 @@ def main():
                                         p20_us=p20, p80_us=p80, floor_us=floor,
                                         ratio=med / floor, rel_error=err,
                                         kernels=resources(built)))
-                if op.backward is not None:
+                if op.backward is not None and not args.forward_only:
                     ys = [op.forward(module, x, **reduce) for x in inputs]
                     gs = [torch.randn_like(x) for x in inputs]
                     pairs = list(zip(ys, gs))
