@@ -4,7 +4,7 @@ The layout, launch heuristics and strided [outer, n, inner] views are sparsemax'
 `flashmax.kernels.sparsemax`). In z = (x - max) / 2 the threshold tau lies in [-1, 0) and is the
 root of sum(max(z - t, 0)^2) = 1. Newton from a lower bound (on the convex, decreasing
 F(t) = ||max(z - t, 0)||_2 - 1) rises monotonically but only converges, so it serves to find
-the support: each step's fused reduction (sums of d and of centred d^2, count, smallest of
+the support: each step's fused reduction (centred sums of d and d^2, count, smallest of
 d = z - tau over d > 0) also gives the set's closed-form tau (the smaller root of a quadratic),
 which is final when every entry of the set stays above it. The lower bound is the exact tau of
 the group maxima, as for sparsemax. The sums are in the compute dtype, fp32 for fp32/fp16/bf16
@@ -86,48 +86,25 @@ def _add4_min(s1_a, s2_a, count_a, min_a, s1_b, s2_b, count_b, min_b):
 
 
 @triton.jit
-def _positive_key(d):
-    """d's bits less one, unsigned: ordered as the positive d are, with zero, the negatives and
-    NaN after them all, so that an unsigned minimum finds the smallest positive d with no
-    select (`_entmax_sums`)."""
-    if d.dtype.primitive_bitwidth == 64:
-        bits = d.to(tl.uint64, bitcast=True)
-    else:
-        bits = d.to(tl.uint32, bitcast=True)
-    return bits - 1
-
-
-@triton.jit
-def _smallest_positive(key, dtype: tl.constexpr):
-    """The smallest positive d from the minimum of `_positive_key`s (inf where none is)."""
-    d = (key + 1).to(dtype, bitcast=True)
-    return tl.where(d > 0, d, float("inf"))
-
-
-@triton.jit
 def _entmax_sums(z, tau, centre):
-    """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d, sum of d^2 - a, count,
-    smallest d) over d > 0, per row, with a = centre.
+    """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d - c, sum of d^2 - a,
+    count, smallest d) over d > 0, per row, with a = centre and c = sqrt(a).
 
     A step rests on s2 - 1, s2 = sum of d^2 close to 1 near the root (its absolute error becomes
-    about the outputs' relative error), and on s1 = sum of d (relative error only: a sum of
-    positive terms). With a = 1 / (the previous count), s2 - 1 = sum(d^2 - a) + (count a - 1).
-    Near the root of a nearly tied row every d is close to 1 / sqrt(count): the terms d^2 - a
-    are nearly zero and their compute-dtype sum nearly exact, with no widening to fp64 (1/64 of
+    about the outputs' relative error), and on s1 = sum of d (relative error only). With
+    a = 1 / (the previous count), s2 - 1 = sum(d^2 - a) + (count a - 1) and s1 = sum(d - c) +
+    count c. Near the root of a nearly tied row every d is close to 1 / sqrt(count): the terms
+    are nearly zero and their compute-dtype sums nearly exact, with no widening to fp64 (1/64 of
     the fp32 rate on an H200). Each d^2 - a is one fma, rounded once relative to itself;
-    `_entmax_update` adds the correction back. Axis 1 lies inside a thread, so it goes first.
-    No term selects on the mask d > 0: it is a 0/1 float, a product or a maximum instead, and
-    the smallest d an unsigned minimum (`_positive_key`). Selects on the mask made LLVM pack it
-    into bits and unpack them at each use (NOTES v80).
+    `_entmax_update` adds the corrections back. Axis 1 lies inside a thread, so it goes first.
     """
     d = z - tau[:, None, None]
-    inside = (d > 0).to(z.dtype)
-    positive = tl.maximum(d, 0.0)
-    s1, s2, count, key = tl.reduce(
-        (positive, tl.fma(positive, positive, -centre[:, None, None] * inside), inside,
-         _positive_key(d)), 1, _add4_min)
-    s1, s2, count, key = tl.reduce((s1, s2, count, key), 1, _add4_min)
-    return s1, s2, count, _smallest_positive(key, z.dtype)
+    support = d > 0
+    centre = centre[:, None, None]
+    s1, s2, count, smallest = tl.reduce(
+        (tl.where(support, d - tl.sqrt(centre), 0.0), tl.where(support, tl.fma(d, d, -centre), 0.0),
+         support.to(z.dtype), tl.where(support, d, float("inf"))), 1, _add4_min)
+    return tl.reduce((s1, s2, count, smallest), 1, _add4_min)
 
 
 @triton.jit
@@ -145,9 +122,10 @@ def _entmax_update(s1, s2, count, smallest, pivot, step, centre, done):
     tau = pivot + step
     has_support = count > 0
     drift = tl.abs(s2) * tl.sqrt(count)
-    # The centring undone: the fma's product is exact, count centre - 1 is rounded relative to
-    # itself (small once the count settles).
+    # The centring undone: the fma's products are exact, count centre - 1 is rounded relative
+    # to itself (small once the count settles), and s1 needs only relative accuracy.
     excess = s2 + tl.fma(count, centre, -1.0)
+    s1 = tl.fma(count, tl.sqrt(centre), s1)
     disc = s1 * s1 - count * excess
     closed = excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))
     root = tl.sqrt(excess + 1.0)
