@@ -487,6 +487,20 @@ def test_kernel_centred_sums_on_long_rows(kernels, chunk, median, kind, scale, o
     assert float(errors.median()) <= median, f"median row {float(errors.median()):.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind,scale,offset,mask_p", HARD_ROWS)
+def test_kernel_sums_with_selects(kernels, monkeypatch, dtype, kind, scale, offset, mask_p):
+    """2-byte rows of SELECTS_FROM_2BYTE_WIDTH or more entries held one a program sum with
+    selects on the mask, s1 centred too (`_entmax_sums`' other form): the GPU takes it on rows
+    that wide, the interpreter on short rows with the width lowered to theirs."""
+    n = 16384 if ON_GPU else 1000
+    if not ON_GPU:
+        monkeypatch.setattr(kernels, "SELECTS_FROM_2BYTE_WIDTH", 1024)
+    x = make_input((ROWS, n), -1, dtype, seed=25, kind=kind, scale=scale, offset=offset,
+                   mask_p=mask_p).to(DEVICE)
+    check_against_oracle(kernel_forward(kernels, x), x, -1)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 4), n=st.integers(1, 70), seed=st.integers(0, 2**31 - 1),

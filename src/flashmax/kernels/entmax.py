@@ -4,7 +4,7 @@ The layout, launch heuristics and strided [outer, n, inner] views are sparsemax'
 `flashmax.kernels.sparsemax`). In z = (x - max) / 2 the threshold tau lies in [-1, 0) and is the
 root of sum(max(z - t, 0)^2) = 1. Newton from a lower bound (on the convex, decreasing
 F(t) = ||max(z - t, 0)||_2 - 1) rises monotonically but only converges, so it serves to find
-the support: each step's fused reduction (centred sums of d and d^2, count, smallest of
+the support: each step's fused reduction (sums of d and of centred d^2, count, smallest of
 d = z - tau over d > 0) also gives the set's closed-form tau (the smaller root of a quadratic),
 which is final when every entry of the set stays above it. The lower bound is the exact tau of
 the group maxima, as for sparsemax. The sums are in the compute dtype, fp32 for fp32/fp16/bf16
@@ -57,6 +57,23 @@ WIDE_GROUPS_FROM_BY_SIZE = {4: 16384}
 HALF_ONE_ROW_WARPS = {16384: 8}
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
+# 2-byte rows of at least this many entries (block_n) held one a program sum the Newton steps
+# with selects on the mask (`_entmax_sums`' SELECT_FREE off), the others without. H100 (NOTES
+# v80, v82): bf16 16384 without selects took 182 registers, one 8-warp program a SM, forward
+# 59.5 -> 81 us on randn rows (every cap and warp count tried was slower than the selects),
+# 32768 alike either way. Without selects, against with: fp32 12000-32768 uniform rows 10-15%
+# faster, bf16 rows of 16-256 entries 4-19%, 1024-2048 entries 3-10%, split rows up to 10%.
+SELECTS_FROM_2BYTE_WIDTH = tl.constexpr(16384)
+# entmax-1.5's forward caps the registers of rows of these widths (`launch_rows`' register_caps:
+# (entry bytes, block_n): (cap, from programs a SM)). H100 (NOTES v80, v82), sums without
+# selects, 2048 rows: uncapped 2-14% slower than with selects; at 168 registers uniform rows
+# 4-7% faster (fp32 4096 30.6 -> 28.5 us), randn 1-4%.
+ENTMAX_REGISTER_CAPS = {(size, block_n): (168, 0) for size in (2, 4) for block_n in (4096, 8192)}
+# The fused loss (no register caps) sums with selects from this width (block_n) on. H100 (NOTES
+# v82), without selects against with: 2048 x 1024-2048 and 16384 x 128 4-12% faster; from 4096
+# mixed (bf16 randn 4-6% slower at 4096-8192, fp32 randn 5% at 32768, fp32 uniform 3-10%
+# faster at 4096-16384).
+LOSS_SELECTS_FROM_WIDTH = tl.constexpr(4096)
 # The split row pass's tile (`SplitRows`), by n_rows >= THRESHOLD_TILE_ROWS: entries of
 # candidates, or of a chunk that stored none, summed at a time over tile / 1024 warps, one
 # program a row. H200 (NOTES, v37c): with few rows 8192 beat 4096 on rows of large supports
@@ -86,25 +103,60 @@ def _add4_min(s1_a, s2_a, count_a, min_a, s1_b, s2_b, count_b, min_b):
 
 
 @triton.jit
-def _entmax_sums(z, tau, centre):
-    """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d - c, sum of d^2 - a,
-    count, smallest d) over d > 0, per row, with a = centre and c = sqrt(a).
+def _positive_key(d):
+    """d's bits less one, unsigned: ordered as the positive d are, with zero, the negatives and
+    NaN after them all, so that an unsigned minimum finds the smallest positive d with no
+    select (`_entmax_sums`)."""
+    if d.dtype.primitive_bitwidth == 64:
+        bits = d.to(tl.uint64, bitcast=True)
+    else:
+        bits = d.to(tl.uint32, bitcast=True)
+    return bits - 1
+
+
+@triton.jit
+def _smallest_positive(key, dtype: tl.constexpr):
+    """The smallest positive d from the minimum of `_positive_key`s (inf where none is)."""
+    d = (key + 1).to(dtype, bitcast=True)
+    return tl.where(d > 0, d, float("inf"))
+
+
+@triton.jit
+def _entmax_sums(z, tau, centre, SELECT_FREE: tl.constexpr = True):
+    """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d, sum of d^2 - a, count,
+    smallest d) over d > 0, per row, with a = centre.
 
     A step rests on s2 - 1, s2 = sum of d^2 close to 1 near the root (its absolute error becomes
-    about the outputs' relative error), and on s1 = sum of d (relative error only). With
-    a = 1 / (the previous count), s2 - 1 = sum(d^2 - a) + (count a - 1) and s1 = sum(d - c) +
-    count c. Near the root of a nearly tied row every d is close to 1 / sqrt(count): the terms
-    are nearly zero and their compute-dtype sums nearly exact, with no widening to fp64 (1/64 of
+    about the outputs' relative error), and on s1 = sum of d (relative error only: a sum of
+    positive terms). With a = 1 / (the previous count), s2 - 1 = sum(d^2 - a) + (count a - 1).
+    Near the root of a nearly tied row every d is close to 1 / sqrt(count): the terms d^2 - a
+    are nearly zero and their compute-dtype sum nearly exact, with no widening to fp64 (1/64 of
     the fp32 rate on an H200). Each d^2 - a is one fma, rounded once relative to itself;
-    `_entmax_update` adds the corrections back. Axis 1 lies inside a thread, so it goes first.
+    `_entmax_update` adds the correction back. Axis 1 lies inside a thread, so it goes first.
+    SELECT_FREE: no term selects on the mask d > 0: it is a 0/1 float, a product or a maximum
+    instead, and the smallest d an unsigned minimum (`_positive_key`). Selects on the mask made
+    LLVM pack it into bits and unpack them at each use (NOTES v80). Otherwise the terms are
+    selected, s1 summed centred too (d - sqrt(a)) and the centring undone on the total: fewer
+    registers (`SELECTS_FROM_2BYTE_WIDTH`).
     """
     d = z - tau[:, None, None]
-    support = d > 0
-    centre = centre[:, None, None]
-    s1, s2, count, smallest = tl.reduce(
-        (tl.where(support, d - tl.sqrt(centre), 0.0), tl.where(support, tl.fma(d, d, -centre), 0.0),
-         support.to(z.dtype), tl.where(support, d, float("inf"))), 1, _add4_min)
-    return tl.reduce((s1, s2, count, smallest), 1, _add4_min)
+    if SELECT_FREE:
+        inside = (d > 0).to(z.dtype)
+        positive = tl.maximum(d, 0.0)
+        s1, s2, count, key = tl.reduce(
+            (positive, tl.fma(positive, positive, -centre[:, None, None]) * inside, inside,
+             _positive_key(d)), 1, _add4_min)
+        s1, s2, count, key = tl.reduce((s1, s2, count, key), 1, _add4_min)
+        smallest = _smallest_positive(key, z.dtype)
+    else:
+        support = d > 0
+        a = centre[:, None, None]
+        s1, s2, count, smallest = tl.reduce(
+            (tl.where(support, d - tl.sqrt(a), 0.0), tl.where(support, tl.fma(d, d, -a), 0.0),
+             support.to(z.dtype), tl.where(support, d, float("inf"))), 1, _add4_min)
+        s1, s2, count, smallest = tl.reduce((s1, s2, count, smallest), 1, _add4_min)
+        s1 = tl.fma(count, tl.sqrt(centre), s1)  # s1 needs only relative accuracy
+    return s1, s2, count, smallest
 
 
 @triton.jit
@@ -122,10 +174,9 @@ def _entmax_update(s1, s2, count, smallest, pivot, step, centre, done):
     tau = pivot + step
     has_support = count > 0
     drift = tl.abs(s2) * tl.sqrt(count)
-    # The centring undone: the fma's products are exact, count centre - 1 is rounded relative
-    # to itself (small once the count settles), and s1 needs only relative accuracy.
+    # The centring undone: the fma's product is exact, count centre - 1 is rounded relative to
+    # itself (small once the count settles).
     excess = s2 + tl.fma(count, centre, -1.0)
-    s1 = tl.fma(count, tl.sqrt(centre), s1)
     disc = s1 * s1 - count * excess
     closed = excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))
     root = tl.sqrt(excess + 1.0)
@@ -148,14 +199,14 @@ def _pending(done, steps):
 
 
 @triton.jit
-def _entmax_threshold(z, tau, centre, FEW: tl.constexpr = 0):
+def _entmax_threshold(z, tau, centre, FEW: tl.constexpr = 0, SELECT_FREE: tl.constexpr = True):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
     allowed) from lower bounds tau [BLOCK_M], the last step's centre (`_entmax_sums`) and the
     size of its support (-1 in a row stopped by MAX_STEPS).
 
     With FEW > 0 a row stops as soon as at most FEW entries lie above its pivot + step, as
     sparsemax's `_newton_threshold` does: every iterate (a closed form that holds or a Newton
-    step from below) is a lower bound on the threshold."""
+    step from below) is a lower bound on the threshold. SELECT_FREE: `_entmax_sums`'."""
     pivot = tau
     step = tl.zeros_like(tau)
     size = tl.zeros_like(tau)
@@ -163,7 +214,7 @@ def _entmax_threshold(z, tau, centre, FEW: tl.constexpr = 0):
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
-        s1, s2, count, smallest = _entmax_sums(z, pivot + step, centre)
+        s1, s2, count, smallest = _entmax_sums(z, pivot + step, centre, SELECT_FREE)
         size = tl.where(done, size, count)
         pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step, centre,
                                                    done)
@@ -175,7 +226,8 @@ def _entmax_threshold(z, tau, centre, FEW: tl.constexpr = 0):
 
 
 @triton.jit
-def _entmax_tile_threshold(z, group_z, GROUP: tl.constexpr, CONFIRM: tl.constexpr, start):
+def _entmax_tile_threshold(z, group_z, GROUP: tl.constexpr, CONFIRM: tl.constexpr, start,
+                           SELECT_FREE: tl.constexpr):
     """Exact threshold (pivot, step) and centre of each row of a [BLOCK_M, GROUP, WIDTH] tile of
     z <= 0, starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH] (down
     axis 1, inside each thread), found by Newton from lower bounds `start` [BLOCK_M] on it.
@@ -187,18 +239,21 @@ def _entmax_tile_threshold(z, group_z, GROUP: tl.constexpr, CONFIRM: tl.constexp
     other entry lies above the group maxima's tau (`_support_found`, as sparsemax's
     `_tile_threshold`). Measured on an H200 (NOTES, v28): 9-11% faster on randn rows at 16384
     and 32768 entries, fp32 and bf16; 3-5% in fp32 from 2048 to 8192 but 5-17% slower in bf16
-    where the program holds the next row too, so prefetching programs keep the full steps."""
+    where the program holds the next row too, so prefetching programs keep the full steps.
+    SELECT_FREE: `_entmax_sums`'."""
     tau = start
     centre = tl.zeros_like(tau)
     if GROUP > 1:
-        pivot, step, centre, size = _entmax_threshold(tl.expand_dims(group_z, 1), tau, centre)
+        pivot, step, centre, size = _entmax_threshold(tl.expand_dims(group_z, 1), tau, centre,
+                                                      0, SELECT_FREE)
         if CONFIRM and z.shape[0] == 1:  # both constexpr
             if tl.min(_support_found(z, pivot, step, size).to(tl.int32), axis=0) == 0:
-                pivot, step, centre, _ = _entmax_threshold(z, pivot + step, centre)
+                pivot, step, centre, _ = _entmax_threshold(z, pivot + step, centre, 0,
+                                                           SELECT_FREE)
         else:
-            pivot, step, centre, _ = _entmax_threshold(z, pivot + step, centre)
+            pivot, step, centre, _ = _entmax_threshold(z, pivot + step, centre, 0, SELECT_FREE)
     else:
-        pivot, step, centre, _ = _entmax_threshold(z, tau, centre)
+        pivot, step, centre, _ = _entmax_threshold(z, tau, centre, 0, SELECT_FREE)
     return pivot, step, centre
 
 
@@ -239,12 +294,14 @@ def _entmax15_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     # Tiles of several 2-byte rows start from their largest two too: H100 (NOTES v66), bf16
     # randn rows of 16-512 entries 2.5-4.6% faster, uniform rows within 1.4%.
     top_two: tl.constexpr = (x.shape[0] == 1 and GROUP > 1) or x.dtype.primitive_bitwidth == 16
+    select_free: tl.constexpr = (x.dtype.primitive_bitwidth != 16
+                                 or x.shape[1] * x.shape[2] < SELECTS_FROM_2BYTE_WIDTH)
     x = _compute_dtype(x)
     group_max = _group_max(x)
     row_max, start = _row_max_and_start(group_max, top_two, _entmax_top_two_start)
     z = (x - row_max[:, None, None]) * 0.5
     pivot, step, _ = _entmax_tile_threshold(z, (group_max - row_max[:, None]) * 0.5, GROUP,
-                                            not PREFETCHING, start)
+                                            not PREFETCHING, start, select_free)
     return _entmax_tile(z, pivot, step, _is_bad(row_max))
 
 
@@ -542,7 +599,9 @@ def loss_kernel(
         z = z * 0.5  # entmax-1.5's coordinates; one tile live, not two
         # The group maxima again, not group_max's: from those, 2-11% slower in fp32 at 16384
         # and 32768 classes, bf16 unchanged (NOTES, v60).
-        pivot, step, _ = _entmax_tile_threshold(z, tl.max(z, axis=1), SEARCH_GROUP, True, start)
+        select_free: tl.constexpr = BLOCK_N < LOSS_SELECTS_FROM_WIDTH
+        pivot, step, _ = _entmax_tile_threshold(z, tl.max(z, axis=1), SEARCH_GROUP, True, start,
+                                                select_free)
         t = tl.maximum((z - pivot[:, None, None]) - step[:, None, None], 0.0)
         p = t * t
     else:
@@ -594,8 +653,8 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
     as in `sparsemax_forward`, `bound_groups`, default ENTMAX_BOUND_GROUPS, `early_zeros`,
     `share_steps` and `prefilter_tile`).
     `programs_per_sm` and `row_threads` as in `rows_launch`, `max_registers` as in
-    `sparsemax_forward`. The other keyword arguments override the launch heuristics (for benchmarks
-    and tests).
+    `sparsemax_forward` (default ENTMAX_REGISTER_CAPS'). The other keyword arguments override
+    the launch heuristics (for benchmarks and tests).
     """
     defaults = (out is None and group is None and num_warps is None and block_m is None
                 and chunk is None and programs_per_sm is None and row_threads is None
@@ -613,7 +672,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
                           prefetch_rows=PREFETCH_ROWS, row_threads=row_threads,
                           thread_entries=None, half_warps=HALF_ONE_ROW_WARPS,
                           wide_groups_from=WIDE_GROUPS_FROM_BY_SIZE.get(x.element_size()),
-                          max_registers=max_registers)
+                          max_registers=max_registers, register_caps=ENTMAX_REGISTER_CAPS)
 
 
 @on_tensor_device
