@@ -67,8 +67,12 @@ SELECTS_FROM_2BYTE_WIDTH = tl.constexpr(16384)
 # entmax-1.5's forward caps the registers of rows of these widths (`launch_rows`' register_caps:
 # (entry bytes, block_n): (cap, from programs a SM)). H100 (NOTES v80, v82), sums without
 # selects, 2048 rows: uncapped 2-14% slower than with selects; at 168 registers uniform rows
-# 4-7% faster (fp32 4096 30.6 -> 28.5 us), randn 1-4%.
+# 4-7% faster (fp32 4096 30.6 -> 28.5 us), randn 1-4%; 128, 152 and 184, or other warps, no
+# better (v83). bf16 short rows at 80, as sparsemax's (v83): 1048576 x 16 2.7-3.6% faster,
+# 1048576 x 64 1.4%, 262144 x 256 1-2%; one-warp programs (2048 x 1024) 5-50% slower, so
+# only in launches of many programs.
 ENTMAX_REGISTER_CAPS = {(size, block_n): (168, 0) for size in (2, 4) for block_n in (4096, 8192)}
+ENTMAX_REGISTER_CAPS.update({(2, block_n): (80, 64) for block_n in (16, 64, 256)})
 # The fused loss (no register caps) sums with selects from this width (block_n) on. H100 (NOTES
 # v82), without selects against with: 2048 x 1024-2048 and 16384 x 128 4-12% faster; from 4096
 # mixed (bf16 randn 4-6% slower at 4096-8192, fp32 randn 5% at 32768, fp32 uniform 3-10%
