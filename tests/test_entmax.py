@@ -356,6 +356,35 @@ def test_kernel_launch_groups(kernels, monkeypatch):
         assert launched[-1]["GROUP"] == want_group, (dtype, n, launched[-1])
 
 
+def test_kernel_register_caps_reach_the_launch(kernels, monkeypatch):
+    """ENTMAX_REGISTER_CAPS go to Triton as maxnreg (NOTES v82, v83): rows of 4096-8192
+    entries (block) at 168 in both dtypes; bf16 rows of 16, 64 and 256 entries at 80 from 64
+    programs a SM (of one multiprocessor here); max_registers=0 uncaps. Nothing runs: the
+    launch is recorded."""
+    from flashmax.kernels import sparsemax as rows
+
+    launched = []
+    monkeypatch.setattr(kernels.FORWARD_LAUNCHES, "launch",
+                        lambda key, grid, tensors, scalars, options: launched.append(options))
+    monkeypatch.setattr(rows, "_multiprocessors", lambda device: 1)
+    for dtype, n_rows, n, cap, want in [(torch.float32, 2, 4096, None, 168),
+                                        (torch.bfloat16, 2, 6000, None, 168),
+                                        (torch.float32, 2, 4096, 0, None),
+                                        (torch.float32, 2, 2048, None, None),
+                                        (torch.bfloat16, 2, 16384, None, None),
+                                        (torch.bfloat16, 2048, 16, None, 80),
+                                        (torch.bfloat16, 2016, 16, None, None),
+                                        (torch.bfloat16, 1024, 64, None, 80),
+                                        (torch.bfloat16, 1024, 64, 0, None),
+                                        (torch.float32, 1024, 64, None, None),
+                                        (torch.bfloat16, 256, 256, None, 80),
+                                        (torch.bfloat16, 252, 256, None, None),
+                                        (torch.bfloat16, 2048, 32, None, None)]:
+        x = torch.randn(n_rows, n, device=DEVICE).to(dtype)
+        kernels.entmax15_forward(x, 1, out=torch.empty_like(x), max_registers=cap)
+        assert launched[-1]["maxnreg"] == want, (dtype, n_rows, n, cap, launched[-1])
+
+
 # Register caps that fit one more program a SM without spilling (NOTES, v65); they take
 # effect on the GPU, the interpreter ignores them.
 @pytest.mark.parametrize("n", [4096, 8192] if ON_GPU else [300])
