@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # The Triton interpreter must be chosen before triton is first imported (flashmax imports it).
 # On a machine with a GPU, FLASHMAX_TEST_DEVICE=cuda runs the same tests on the compiled kernels.
 if os.environ.get("FLASHMAX_TEST_DEVICE", "cpu") == "cpu":
@@ -18,3 +20,16 @@ def pytest_collection_modifyitems(config, items):
     config.hook.pytest_deselected(items=[item for i, item in enumerate(items)
                                          if i % count != index])
     items[:] = items[index::count]
+
+
+@pytest.fixture
+def record_launches(monkeypatch):
+    """record_launches(cache) -> the list to which each launch of that `LaunchCache` appends
+    its options instead of running (with `out=` no launch is kept to replay, so every call
+    launches)."""
+    def record(cache):
+        launched = []
+        monkeypatch.setattr(cache, "launch",
+                            lambda key, grid, tensors, scalars, options: launched.append(options))
+        return launched
+    return record

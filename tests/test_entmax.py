@@ -341,13 +341,11 @@ def test_kernel_every_launch_path(kernels, config):
     check_against_oracle(kernel_forward(kernels, x, **config), x, -1)
 
 
-def test_kernel_launch_groups(kernels, monkeypatch):
+def test_kernel_launch_groups(kernels, record_launches):
     # fp32 rows of 16384+ entries held one a program take the groups spanning the layout (32);
     # shorter rows, 2-byte and fp64 rows at most 8 (`WIDE_GROUPS_FROM_BY_SIZE`). Nothing runs:
-    # the launch is recorded (`out=` keeps no launch to replay).
-    launched = []
-    monkeypatch.setattr(kernels.FORWARD_LAUNCHES, "launch",
-                        lambda key, grid, tensors, scalars, options: launched.append(options))
+    # the launch is recorded.
+    launched = record_launches(kernels.FORWARD_LAUNCHES)
     for dtype, n, want_group in [(torch.float32, 8192, 8), (torch.float32, 16384, 32),
                                  (torch.float32, 32768, 32), (torch.bfloat16, 16384, 8),
                                  (torch.bfloat16, 32768, 8), (torch.float64, 16384, 8)]:
@@ -356,16 +354,14 @@ def test_kernel_launch_groups(kernels, monkeypatch):
         assert launched[-1]["GROUP"] == want_group, (dtype, n, launched[-1])
 
 
-def test_kernel_register_caps_reach_the_launch(kernels, monkeypatch):
+def test_kernel_register_caps_reach_the_launch(kernels, monkeypatch, record_launches):
     """ENTMAX_REGISTER_CAPS go to Triton as maxnreg (NOTES v82, v83): rows of 4096-8192
     entries (block) at 168 in both dtypes; bf16 rows of 16, 64 and 256 entries at 80 from 64
     programs a SM (of one multiprocessor here); max_registers=0 uncaps. Nothing runs: the
     launch is recorded."""
     from flashmax.kernels import sparsemax as rows
 
-    launched = []
-    monkeypatch.setattr(kernels.FORWARD_LAUNCHES, "launch",
-                        lambda key, grid, tensors, scalars, options: launched.append(options))
+    launched = record_launches(kernels.FORWARD_LAUNCHES)
     monkeypatch.setattr(rows, "_multiprocessors", lambda device: 1)
     for dtype, n_rows, n, cap, want in [(torch.float32, 2, 4096, None, 168),
                                         (torch.bfloat16, 2, 6000, None, 168),

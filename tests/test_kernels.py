@@ -949,13 +949,11 @@ def test_register_capped_split_pass_is_bit_identical(dist, rows, n, chunk):
     assert_close_to_oracle(y.cpu(), x.cpu(), -1, rtol=1e-6)
 
 
-def test_register_cap_reaches_the_launch(monkeypatch):
+def test_register_cap_reaches_the_launch(monkeypatch, record_launches):
     """max_registers (default ROW_REGISTER_CAPS') goes to Triton as maxnreg for rows held by
     `rows_launch`'s programs; rows adjacent in memory take `adjacent_launch`'s, uncapped.
     Nothing runs: the launches are recorded (`out=` keeps none to replay)."""
-    launched = []
-    monkeypatch.setattr(kernels.FORWARD_LAUNCHES, "launch",
-                        lambda key, grid, tensors, scalars, options: launched.append(options))
+    launched = record_launches(kernels.FORWARD_LAUNCHES)
     x = torch.randn(4, 64, device=DEVICE)
     for rows, want in [(x, 96), (x.t(), None)]:
         kernels.sparsemax_forward(rows, 1, out=torch.empty_like(rows), max_registers=96)
