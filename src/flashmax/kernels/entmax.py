@@ -181,6 +181,21 @@ def _entmax_sums(z, tau, centre, SELECT_FREE: tl.constexpr = True, NEAREST: tl.c
 
 
 @triton.jit
+def _entmax_step_forms(s1, s2, count, centre):
+    """From the centred sums (`_entmax_sums`) at some tau: (s2 - 1 uncentred, the quadratic's
+    discriminant, the set's closed form, the Newton step, the sums' drift), all relative to tau
+    (`_entmax_update` says what each is)."""
+    # The centring undone: the fma's product is exact, count centre - 1 is rounded relative to
+    # itself (small once the count settles).
+    excess = s2 + tl.fma(count, centre, -1.0)
+    disc = s1 * s1 - count * excess
+    closed = excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))
+    root = tl.sqrt(excess + 1.0)
+    newton = root * excess / ((root + 1.0) * s1)
+    return excess, disc, closed, newton, tl.abs(s2) * tl.sqrt(count)
+
+
+@triton.jit
 def _entmax_update(s1, s2, count, smallest, pivot, step, centre, done):
     """Advance (pivot, step, centre, done) from the centred sums (`_entmax_sums`) at
     tau = pivot + step.
@@ -194,14 +209,7 @@ def _entmax_update(s1, s2, count, smallest, pivot, step, centre, done):
     """
     tau = pivot + step
     has_support = count > 0
-    drift = tl.abs(s2) * tl.sqrt(count)
-    # The centring undone: the fma's product is exact, count centre - 1 is rounded relative to
-    # itself (small once the count settles).
-    excess = s2 + tl.fma(count, centre, -1.0)
-    disc = s1 * s1 - count * excess
-    closed = excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))
-    root = tl.sqrt(excess + 1.0)
-    newton = root * excess / ((root + 1.0) * s1)
+    excess, disc, closed, newton, drift = _entmax_step_forms(s1, s2, count, centre)
     exact = (disc >= 0) & (smallest >= closed) & (tl.abs(closed) <= tl.abs(tau + closed))
     stuck = (tau + newton) == tau
     new_step = tl.where(has_support, tl.where(exact, closed, newton), 0.0)
@@ -230,12 +238,7 @@ def _entmax_jump_update(s1, s2, count, nearest, pivot, step, centre, done, low, 
     """
     tau = pivot + step
     has_support = count > 0
-    drift = tl.abs(s2) * tl.sqrt(count)
-    excess = s2 + tl.fma(count, centre, -1.0)
-    disc = s1 * s1 - count * excess
-    closed = excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))
-    root = tl.sqrt(excess + 1.0)
-    newton = root * excess / ((root + 1.0) * s1)
+    excess, disc, closed, newton, drift = _entmax_step_forms(s1, s2, count, centre)
     exact = ((disc >= 0) & (nearest >= tl.abs(closed))
              & (tl.abs(closed) <= tl.abs(tau + closed)))
     below = excess >= 0
