@@ -57,11 +57,6 @@ WIDE_GROUPS_FROM_BY_SIZE = {4: 16384}
 HALF_ONE_ROW_WARPS = {16384: 8}
 # Newton finds the support in a few steps; the cap guards against rounding cycles (no hang).
 MAX_STEPS = tl.constexpr(64)
-# The whole-row forward's steps jump towards the closed form of the set at a lower bound
-# (`_entmax_jump_update`), this fraction of the way back to the Newton iterate below it: in an
-# fp64 simulation of uniform rows at 4096-32768 entries, 0 left 2.2-2.9 full-row steps a row,
-# 0.1 2.05-2.55, 0.3 2.35-2.83, Newton alone 2.6-3.0 (NOTES v85).
-JUMP_BACK = tl.constexpr(0.1)
 # 2-byte rows of at least this many entries (block_n) held one a program sum the Newton steps
 # with selects on the mask (`_entmax_sums`' SELECT_FREE off), the others without. H100 (NOTES
 # v80, v82): bf16 16384 without selects took 182 registers, one 8-warp program a SM, forward
@@ -131,7 +126,7 @@ def _smallest_positive(key, dtype: tl.constexpr):
 
 
 @triton.jit
-def _entmax_sums(z, tau, centre, SELECT_FREE: tl.constexpr = True, NEAREST: tl.constexpr = False):
+def _entmax_sums(z, tau, centre, SELECT_FREE: tl.constexpr = True):
     """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d, sum of d^2 - a, count,
     smallest d) over d > 0, per row, with a = centre.
 
@@ -146,53 +141,26 @@ def _entmax_sums(z, tau, centre, SELECT_FREE: tl.constexpr = True, NEAREST: tl.c
     instead, and the smallest d an unsigned minimum (`_positive_key`). Selects on the mask made
     LLVM pack it into bits and unpack them at each use (NOTES v80). Otherwise the terms are
     selected, s1 summed centred too (d - sqrt(a)) and the centring undone on the total: fewer
-    registers (`SELECTS_FROM_2BYTE_WIDTH`). NEAREST: the smallest |d| over every entry instead
-    of the smallest d > 0 (`_entmax_jump_update`).
+    registers (`SELECTS_FROM_2BYTE_WIDTH`).
     """
     d = z - tau[:, None, None]
     if SELECT_FREE:
         inside = (d > 0).to(z.dtype)
         positive = tl.maximum(d, 0.0)
-        if NEAREST:
-            key = tl.abs(d)
-        else:
-            key = _positive_key(d)
         s1, s2, count, key = tl.reduce(
-            (positive, tl.fma(positive, positive, -centre[:, None, None]) * inside, inside, key),
-            1, _add4_min)
+            (positive, tl.fma(positive, positive, -centre[:, None, None]) * inside, inside,
+             _positive_key(d)), 1, _add4_min)
         s1, s2, count, key = tl.reduce((s1, s2, count, key), 1, _add4_min)
-        if NEAREST:
-            smallest = key
-        else:
-            smallest = _smallest_positive(key, z.dtype)
+        smallest = _smallest_positive(key, z.dtype)
     else:
         support = d > 0
         a = centre[:, None, None]
-        if NEAREST:
-            key = tl.abs(d)
-        else:
-            key = tl.where(support, d, float("inf"))
         s1, s2, count, smallest = tl.reduce(
             (tl.where(support, d - tl.sqrt(a), 0.0), tl.where(support, tl.fma(d, d, -a), 0.0),
-             support.to(z.dtype), key), 1, _add4_min)
+             support.to(z.dtype), tl.where(support, d, float("inf"))), 1, _add4_min)
         s1, s2, count, smallest = tl.reduce((s1, s2, count, smallest), 1, _add4_min)
         s1 = tl.fma(count, tl.sqrt(centre), s1)  # s1 needs only relative accuracy
     return s1, s2, count, smallest
-
-
-@triton.jit
-def _entmax_step_forms(s1, s2, count, centre):
-    """From the centred sums (`_entmax_sums`) at some tau: (s2 - 1 uncentred, the quadratic's
-    discriminant, the set's closed form, the Newton step, the sums' drift), all relative to tau
-    (`_entmax_update` says what each is)."""
-    # The centring undone: the fma's product is exact, count centre - 1 is rounded relative to
-    # itself (small once the count settles).
-    excess = s2 + tl.fma(count, centre, -1.0)
-    disc = s1 * s1 - count * excess
-    closed = excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))
-    root = tl.sqrt(excess + 1.0)
-    newton = root * excess / ((root + 1.0) * s1)
-    return excess, disc, closed, newton, tl.abs(s2) * tl.sqrt(count)
 
 
 @triton.jit
@@ -209,7 +177,14 @@ def _entmax_update(s1, s2, count, smallest, pivot, step, centre, done):
     """
     tau = pivot + step
     has_support = count > 0
-    excess, disc, closed, newton, drift = _entmax_step_forms(s1, s2, count, centre)
+    drift = tl.abs(s2) * tl.sqrt(count)
+    # The centring undone: the fma's product is exact, count centre - 1 is rounded relative to
+    # itself (small once the count settles).
+    excess = s2 + tl.fma(count, centre, -1.0)
+    disc = s1 * s1 - count * excess
+    closed = excess / (s1 + tl.sqrt(tl.maximum(disc, 0.0)))
+    root = tl.sqrt(excess + 1.0)
+    newton = root * excess / ((root + 1.0) * s1)
     exact = (disc >= 0) & (smallest >= closed) & (tl.abs(closed) <= tl.abs(tau + closed))
     stuck = (tau + newton) == tau
     new_step = tl.where(has_support, tl.where(exact, closed, newton), 0.0)
@@ -223,74 +198,30 @@ def _entmax_update(s1, s2, count, smallest, pivot, step, centre, done):
 
 
 @triton.jit
-def _entmax_jump_update(s1, s2, count, nearest, pivot, step, centre, done, low, high):
-    """`_entmax_update` for sums whose last value is the smallest |d| over the row (NEAREST),
-    at tau = pivot + step that may lie on either side of the threshold, with the bracket
-    [low, high] so far; also returns the new bracket.
-
-    F(t) (`_entmax_update`) falls as t rises, so the sign of s2 - 1 tells the side. Below,
-    the closed form of the set (a superset of the support) is an upper estimate, usually just
-    above the threshold, and the Newton step a lower bound; above, the set is a subset of the
-    support, whose own exact tau, the closed form, is a lower bound. Either way the closed form
-    is the threshold when no entry lies between tau and it (nearest >= |closed|). Else the
-    next tau is the closed form from below, JUMP_BACK of the way back towards the new low
-    (where it lies inside the bracket), or low.
-    """
-    tau = pivot + step
-    has_support = count > 0
-    excess, disc, closed, newton, drift = _entmax_step_forms(s1, s2, count, centre)
-    exact = ((disc >= 0) & (nearest >= tl.abs(closed))
-             & (tl.abs(closed) <= tl.abs(tau + closed)))
-    below = excess >= 0
-    low = tl.where(done, low, tl.maximum(low, tau + tl.where(below, newton, closed)))
-    high = tl.where(done | below, high, tl.minimum(high, tau))
-    jump = tau + closed
-    jump -= JUMP_BACK * (jump - low)
-    jumps = below & (disc >= 0) & (jump > low) & (jump < high)
-    next_tau = tl.where(jumps, jump, low)
-    stuck = next_tau == tau
-    new_step = tl.where(has_support, tl.where(exact, closed, next_tau - tau), low - tau)
-    pivot = tl.where(done, pivot, tau)
-    step = tl.where(done, step, new_step)
-    centre = tl.where(has_support, 1.0 / count, centre)
-    done = done | (exact & (drift <= MAX_DRIFT)) | stuck
-    return pivot, step, centre, done, low, high
-
-
-@triton.jit
 def _pending(done, steps):
     return tl.where(steps < MAX_STEPS, tl.sum((~done).to(tl.int32), axis=0), 0)
 
 
 @triton.jit
-def _entmax_threshold(z, tau, centre, FEW: tl.constexpr = 0, SELECT_FREE: tl.constexpr = True,
-                      JUMP: tl.constexpr = False):
+def _entmax_threshold(z, tau, centre, FEW: tl.constexpr = 0, SELECT_FREE: tl.constexpr = True):
     """Exact threshold (pivot, step) of each row of a [BLOCK_M, A, B] tile (-inf padding
     allowed) from lower bounds tau [BLOCK_M], the last step's centre (`_entmax_sums`) and the
     size of its support (-1 in a row stopped by MAX_STEPS).
 
     With FEW > 0 a row stops as soon as at most FEW entries lie above its pivot + step, as
     sparsemax's `_newton_threshold` does: every iterate (a closed form that holds or a Newton
-    step from below) is a lower bound on the threshold. SELECT_FREE: `_entmax_sums`'. JUMP
-    (with FEW 0): steps by `_entmax_jump_update`, whose iterates may lie above the
-    threshold."""
+    step from below) is a lower bound on the threshold. SELECT_FREE: `_entmax_sums`'."""
     pivot = tau
     step = tl.zeros_like(tau)
     size = tl.zeros_like(tau)
     done = tau != tau
-    low = tau
-    high = tl.full(tau.shape, float("inf"), tau.dtype)
     steps = 0
     pending = _pending(done, steps)
     while pending > 0:
-        s1, s2, count, smallest = _entmax_sums(z, pivot + step, centre, SELECT_FREE, JUMP)
+        s1, s2, count, smallest = _entmax_sums(z, pivot + step, centre, SELECT_FREE)
         size = tl.where(done, size, count)
-        if JUMP:
-            pivot, step, centre, done, low, high = _entmax_jump_update(
-                s1, s2, count, smallest, pivot, step, centre, done, low, high)
-        else:
-            pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step,
-                                                       centre, done)
+        pivot, step, centre, done = _entmax_update(s1, s2, count, smallest, pivot, step, centre,
+                                                   done)
         if FEW > 0:
             done = done | (count <= FEW)
         steps += 1
@@ -300,7 +231,7 @@ def _entmax_threshold(z, tau, centre, FEW: tl.constexpr = 0, SELECT_FREE: tl.con
 
 @triton.jit
 def _entmax_tile_threshold(z, group_z, GROUP: tl.constexpr, CONFIRM: tl.constexpr, start,
-                           SELECT_FREE: tl.constexpr, JUMP: tl.constexpr = False):
+                           SELECT_FREE: tl.constexpr):
     """Exact threshold (pivot, step) and centre of each row of a [BLOCK_M, GROUP, WIDTH] tile of
     z <= 0, starting from the exact tau of its group maxima group_z [BLOCK_M, WIDTH] (down
     axis 1, inside each thread), found by Newton from lower bounds `start` [BLOCK_M] on it.
@@ -313,21 +244,20 @@ def _entmax_tile_threshold(z, group_z, GROUP: tl.constexpr, CONFIRM: tl.constexp
     `_tile_threshold`). Measured on an H200 (NOTES, v28): 9-11% faster on randn rows at 16384
     and 32768 entries, fp32 and bf16; 3-5% in fp32 from 2048 to 8192 but 5-17% slower in bf16
     where the program holds the next row too, so prefetching programs keep the full steps.
-    SELECT_FREE: `_entmax_sums`', JUMP: `_entmax_threshold`'s."""
+    SELECT_FREE: `_entmax_sums`'."""
     tau = start
     centre = tl.zeros_like(tau)
     if GROUP > 1:
         pivot, step, centre, size = _entmax_threshold(tl.expand_dims(group_z, 1), tau, centre,
-                                                      0, SELECT_FREE, JUMP)
+                                                      0, SELECT_FREE)
         if CONFIRM and z.shape[0] == 1:  # both constexpr
             if tl.min(_support_found(z, pivot, step, size).to(tl.int32), axis=0) == 0:
                 pivot, step, centre, _ = _entmax_threshold(z, pivot + step, centre, 0,
-                                                           SELECT_FREE, JUMP)
+                                                           SELECT_FREE)
         else:
-            pivot, step, centre, _ = _entmax_threshold(z, pivot + step, centre, 0, SELECT_FREE,
-                                                       JUMP)
+            pivot, step, centre, _ = _entmax_threshold(z, pivot + step, centre, 0, SELECT_FREE)
     else:
-        pivot, step, centre, _ = _entmax_threshold(z, tau, centre, 0, SELECT_FREE, JUMP)
+        pivot, step, centre, _ = _entmax_threshold(z, tau, centre, 0, SELECT_FREE)
     return pivot, step, centre
 
 
@@ -375,7 +305,7 @@ def _entmax15_rows(x, GROUP: tl.constexpr, PREFETCHING: tl.constexpr):
     row_max, start = _row_max_and_start(group_max, top_two, _entmax_top_two_start)
     z = (x - row_max[:, None, None]) * 0.5
     pivot, step, _ = _entmax_tile_threshold(z, (group_max - row_max[:, None]) * 0.5, GROUP,
-                                            not PREFETCHING, start, select_free, True)
+                                            not PREFETCHING, start, select_free)
     return _entmax_tile(z, pivot, step, _is_bad(row_max))
 
 
