@@ -4,7 +4,7 @@
 #   benchmarks/h200_run.sh rand    the same on uniform rows (`--dist rand`)
 #   benchmarks/h200_run.sh tests   the GPU test suite (`gpu_tests.sh`, ~210 s on an H100)
 # Run from the repository root on a GPU machine without registry access, with the peers'
-# wheels in .whl/ (see benchmarks/NOTES.md) and FLASHMAX_COMMIT set to the commit being
+# wheels in .whl/ (README, "The benchmark") and FLASHMAX_COMMIT set to the commit being
 # measured. The GPU's name comes first: the device may lend an H100 for an H200 call, whose
 # ratios do not stand for the H200's, so any other GPU stops the run (exit 3) unless
 # FLASHMAX_ANY_GPU=1. Writes under $OUT at most 8 files a stage, as many as
