@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU run for entmax-1.5 and the losses: their tests on the GPU, then `flashmax bench --op
 # entmax15` at 2048 tokens (fp32 with every peer, bf16) and on the long rows. Run as
-# benchmarks/h200_run.sh is (repository root, peers' wheels in .whl/, FLASHMAX_COMMIT set).
+# benchmarks/h200_run.sh is (repository root, peers' wheels in .whl/, FLASHMAX_COMMIT set; on
+# an H200 alone, `require_h200.sh`).
 # Writes $OUT/entmax15.tgz: fp32/ (JSON, markdown, plots), bf16/ and long-*/ (JSON, markdown),
 # in one archive because the device tool brings back at most 8 files from $OUT.
 set -uo pipefail
+source benchmarks/require_h200.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1

@@ -5,19 +5,14 @@
 #   benchmarks/h200_run.sh tests   the GPU test suite (`gpu_tests.sh`, ~210 s on an H100)
 # Run from the repository root on a GPU machine without registry access, with the peers'
 # wheels in .whl/ (README, "The benchmark") and FLASHMAX_COMMIT set to the commit being
-# measured. The GPU's name comes first: the device may lend an H100 for an H200 call, whose
-# ratios do not stand for the H200's, so any other GPU stops the run (exit 3) unless
-# FLASHMAX_ANY_GPU=1. Writes under $OUT at most 8 files a stage, as many as
+# measured. The GPU's name comes first, and any GPU but an H200 stops the run
+# (`require_h200.sh`). Writes under $OUT at most 8 files a stage, as many as
 # the device tool brings back: peers fp32/ (JSON, markdown, plots) and bf16/ (JSON,
 # markdown); rand rand/ (JSON, markdown).
 set -uo pipefail
 stage=${1:-}
 [[ $stage =~ ^(peers|rand|tests)$ ]] || { echo "stage: peers, rand or tests" >&2; exit 2; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
-if [[ ${FLASHMAX_ANY_GPU:-0} != 1 ]] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    echo "not an H200: nothing run (FLASHMAX_ANY_GPU=1 runs it anyway)" >&2
-    exit 3
-fi
+source benchmarks/require_h200.sh
 if [[ $stage == tests ]]; then
     JOBS=12 bash benchmarks/gpu_tests.sh 330
     exit
