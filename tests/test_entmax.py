@@ -487,6 +487,21 @@ def test_kernel_two_support_entries_in_one_group(kernels, n):
     check_against_oracle(y, x, -1)
 
 
+@pytest.mark.parametrize("n", KERNEL_WIDTHS[1:])
+@pytest.mark.parametrize("chunk", [None, 64], ids=["in-registers", "split"])
+def test_kernel_entries_exactly_at_the_threshold(kernels, n, chunk):
+    """Rows of k tied maxima over entries that lie at the threshold: in z = (x - max) / 2 tau is
+    -1 / sqrt(k), so the entries x = max - 2 / sqrt(k) are exactly at it (k = 2: within a
+    rounding), zero in the output, and d = 0 for a step that lands on tau."""
+    rows = []
+    for k, offset in [(1, 0.0), (2, 3.0), (4, 0.0), (16, -7.0)]:
+        row = torch.full((n,), offset - 2.0 / k**0.5)
+        row[:k] = offset
+        rows.append(row[torch.randperm(n, generator=torch.Generator().manual_seed(k))])
+    x = torch.stack(rows).to(DEVICE)
+    check_against_oracle(kernel_forward(kernels, x, chunk=chunk), x, -1)
+
+
 # Long rows, most with large supports of nearly tied entries: Newton's fp32 sums stay exact only
 # centred (`kernels.entmax._entmax_sums`), and the interpreter sums in sequence, the worst order.
 HARD_ROWS = [("near_max", 0.0, 0.0, 0.0), ("near_max", 1e4, 0.0, 0.0), ("ties", 0.01, 0.0, 0.0),

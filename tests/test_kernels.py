@@ -378,6 +378,39 @@ def test_split_row_prefilter_is_not_with_compaction():
 
 
 @triton.jit
+def _entmax_sums_kernel(Z, TAU, CENTRE, OUT, N: tl.constexpr):
+    z = tl.reshape(tl.load(Z + tl.arange(0, N)), [1, 1, N])
+    tau = tl.load(TAU + tl.arange(0, 1))
+    centre = tl.load(CENTRE + tl.arange(0, 1))
+    s1, s2, count, smallest = entmax_kernels._entmax_sums(z, tau, centre)
+    tl.store(OUT + tl.arange(0, 1), s1)
+    tl.store(OUT + 1 + tl.arange(0, 1), s2)
+    tl.store(OUT + 2 + tl.arange(0, 1), count)
+    tl.store(OUT + 3 + tl.arange(0, 1), smallest)
+
+
+@pytest.mark.parametrize("at_tau", [False, True], ids=["none-at-tau", "one-at-tau"])
+def test_entmax_step_sums_and_smallest_entry(at_tau):
+    # A step's sums over d = z - tau > 0 (`_entmax_sums`, without selects) and the smallest d
+    # the exactness test compares the closed form with: the smallest positive d, or 0 where an
+    # entry lies at tau itself (never above the smallest positive d, so the test cannot pass on
+    # it wrongly); -inf entries take no part.
+    z = torch.tensor([-0.125, -0.4375, -0.25, -float("inf"), -2.0, -0.5, -0.75, 0.0])
+    tau, centre = -0.5, 0.25
+    if not at_tau:
+        z[5] = -0.625
+    d = (z - tau).double()
+    inside = d[d > 0]
+    out = torch.full((4,), POISON, device=DEVICE)
+    _entmax_sums_kernel[(1,)](z.to(DEVICE), torch.tensor([tau], device=DEVICE),
+                              torch.tensor([centre], device=DEVICE), out, z.numel())
+    s1, s2, count, smallest = out.double().cpu().tolist()
+    assert (s1, count) == (inside.sum().item(), inside.numel())
+    assert s2 == (inside**2 - centre).sum().item()
+    assert smallest == (0.0 if at_tau else inside.min().item())
+
+
+@triton.jit
 def _row_start_kernel(PART, OUT, n_splits, SPLITS: tl.constexpr, FLOOR: tl.constexpr,
                       SUBSET_BOUND: tl.constexpr):
     row = tl.program_id(0)

@@ -108,27 +108,30 @@ def _add4_min(s1_a, s2_a, count_a, min_a, s1_b, s2_b, count_b, min_b):
 
 @triton.jit
 def _positive_key(d):
-    """d's bits less one, unsigned: ordered as the positive d are, with zero, the negatives and
-    NaN after them all, so that an unsigned minimum finds the smallest positive d with no
-    select (`_entmax_sums`)."""
+    """d's bits, unsigned: ordered as the non-negative d are, with the negatives and NaN after
+    them all, so that an unsigned minimum finds the smallest d >= 0 with no select
+    (`_entmax_sums`). One instruction an entry fewer than keying on the positive d alone
+    (bits less one): H100 (NOTES v88), bf16 short rows 5-7% faster, the rest -4% to +1%."""
     if d.dtype.primitive_bitwidth == 64:
-        bits = d.to(tl.uint64, bitcast=True)
+        return d.to(tl.uint64, bitcast=True)
     else:
-        bits = d.to(tl.uint32, bitcast=True)
-    return bits - 1
+        return d.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def _smallest_positive(key, dtype: tl.constexpr):
-    """The smallest positive d from the minimum of `_positive_key`s (inf where none is)."""
-    d = (key + 1).to(dtype, bitcast=True)
-    return tl.where(d > 0, d, float("inf"))
+    """The smallest positive d from the minimum of `_positive_key`s: 0 where an entry lies at
+    tau itself (only ever smaller than the true smallest positive d, so the exactness test
+    that uses it can only fail, never pass, for it), inf where none is >= 0."""
+    d = key.to(dtype, bitcast=True)
+    return tl.where(d >= 0, d, float("inf"))
 
 
 @triton.jit
 def _entmax_sums(z, tau, centre, SELECT_FREE: tl.constexpr = True):
     """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d, sum of d^2 - a, count,
-    smallest d) over d > 0, per row, with a = centre.
+    smallest d) over d > 0, per row, with a = centre (without selects the smallest d >= 0:
+    `_smallest_positive`).
 
     A step rests on s2 - 1, s2 = sum of d^2 close to 1 near the root (its absolute error becomes
     about the outputs' relative error), and on s1 = sum of d (relative error only: a sum of
