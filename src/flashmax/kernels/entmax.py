@@ -107,7 +107,7 @@ def _add4_min(s1_a, s2_a, count_a, min_a, s1_b, s2_b, count_b, min_b):
 
 
 @triton.jit
-def _positive_key(d):
+def _nonnegative_key(d):
     """d's bits, unsigned: ordered as the non-negative d are, with the negatives and NaN after
     them all, so that an unsigned minimum finds the smallest d >= 0 with no select
     (`_entmax_sums`). One instruction an entry fewer than keying on the positive d alone
@@ -119,10 +119,10 @@ def _positive_key(d):
 
 
 @triton.jit
-def _smallest_positive(key, dtype: tl.constexpr):
-    """The smallest positive d from the minimum of `_positive_key`s: 0 where an entry lies at
-    tau itself (only ever smaller than the true smallest positive d, so the exactness test
-    that uses it can only fail, never pass, for it), inf where none is >= 0."""
+def _smallest_nonnegative(key, dtype: tl.constexpr):
+    """The smallest d >= 0 from the minimum of `_nonnegative_key`s (inf where none is): the
+    smallest positive d, or 0 where an entry lies at tau itself, never above the smallest
+    positive d, so the exactness test that uses it can only fail, never pass, for it."""
     d = key.to(dtype, bitcast=True)
     return tl.where(d >= 0, d, float("inf"))
 
@@ -131,7 +131,7 @@ def _smallest_positive(key, dtype: tl.constexpr):
 def _entmax_sums(z, tau, centre, SELECT_FREE: tl.constexpr = True):
     """Over a [BLOCK_M, GROUP, WIDTH] tile, for d = z - tau: (sum of d, sum of d^2 - a, count,
     smallest d) over d > 0, per row, with a = centre (without selects the smallest d >= 0:
-    `_smallest_positive`).
+    `_smallest_nonnegative`).
 
     A step rests on s2 - 1, s2 = sum of d^2 close to 1 near the root (its absolute error becomes
     about the outputs' relative error), and on s1 = sum of d (relative error only: a sum of
@@ -141,7 +141,7 @@ def _entmax_sums(z, tau, centre, SELECT_FREE: tl.constexpr = True):
     the fp32 rate on an H200). Each d^2 - a is one fma, rounded once relative to itself;
     `_entmax_update` adds the correction back. Axis 1 lies inside a thread, so it goes first.
     SELECT_FREE: no term selects on the mask d > 0: it is a 0/1 float, a product or a maximum
-    instead, and the smallest d an unsigned minimum (`_positive_key`). Selects on the mask made
+    instead, and the smallest d an unsigned minimum (`_nonnegative_key`). Selects on the mask made
     LLVM pack it into bits and unpack them at each use (NOTES v80). Otherwise the terms are
     selected, s1 summed centred too (d - sqrt(a)) and the centring undone on the total: fewer
     registers (`SELECTS_FROM_2BYTE_WIDTH`).
@@ -152,9 +152,9 @@ def _entmax_sums(z, tau, centre, SELECT_FREE: tl.constexpr = True):
         positive = tl.maximum(d, 0.0)
         s1, s2, count, key = tl.reduce(
             (positive, tl.fma(positive, positive, -centre[:, None, None]) * inside, inside,
-             _positive_key(d)), 1, _add4_min)
+             _nonnegative_key(d)), 1, _add4_min)
         s1, s2, count, key = tl.reduce((s1, s2, count, key), 1, _add4_min)
-        smallest = _smallest_positive(key, z.dtype)
+        smallest = _smallest_nonnegative(key, z.dtype)
     else:
         support = d > 0
         a = centre[:, None, None]
