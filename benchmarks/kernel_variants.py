@@ -141,7 +141,7 @@ def default_forward_warps(module, rows, n, dtype):
     `rows_launch`) picks for rows of n entries of dtype."""
     x = torch.empty(0, device="cuda", dtype=dtype)
     return kernels.rows_launch(x, rows, n,
-                               prefetch_rows=getattr(module, "PREFETCH_ROWS", None)).num_warps
+                               half_warps=getattr(module, "HALF_ONE_ROW_WARPS", None)).num_warps
 
 
 def forward_launcher(op, module, config, rows, n, dtype):

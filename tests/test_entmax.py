@@ -354,6 +354,20 @@ def test_kernel_launch_groups(kernels, record_launches):
         assert launched[-1]["GROUP"] == want_group, (dtype, n, launched[-1])
 
 
+def test_kernel_launch_holds_one_row_a_program(kernels, record_launches):
+    # Rows of 1024 and 2048 entries, as every width held in registers: one row a program, none
+    # walking several rows and prefetching the next (that needs programs_per_sm; NOTES v89).
+    # Nothing runs: the launch is recorded.
+    launched = record_launches(kernels.FORWARD_LAUNCHES)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1024, 2048):
+            x = torch.randn(64, n, dtype=dtype, device=DEVICE)
+            kernels.entmax15_forward(x, 1, out=torch.empty_like(x))
+            assert not launched[-1]["PREFETCH"] and launched[-1]["BLOCK_M"] == 1, (dtype, n)
+            kernels.entmax15_forward(x, 1, out=torch.empty_like(x), programs_per_sm=1)
+            assert launched[-1]["PREFETCH"], (dtype, n)
+
+
 def test_kernel_register_caps_reach_the_launch(kernels, monkeypatch, record_launches):
     """ENTMAX_REGISTER_CAPS go to Triton as maxnreg (NOTES v82, v83): rows of 4096-8192
     entries (block) at 168 in both dtypes; bf16 rows of 16, 64 and 256 entries at 80 from 64

@@ -605,20 +605,19 @@ def test_prefetching_programs_walk_every_block(block_m, dist):
 
 
 def test_launch_heuristic():
-    # Sparsemax's forward never prefetches; entmax-1.5's does at its PREFETCH_ROWS widths. Rows
-    # of 2048 to 8192 entries take one warp per 2048 of them, longer ones one per 4096.
+    # No program walks several blocks (and prefetches) unless programs_per_sm asks (NOTES v30,
+    # v89). Rows of 2048 to 8192 entries take one warp per 2048 of them, longer ones one per
+    # 4096.
     from flashmax.kernels import entmax
 
     x = make("randn", 2, 8, seed=21)
     sms = kernels._multiprocessors(torch.device(DEVICE))
-    for n, prefetch, want_warps in [(512, False, 1), (1024, True, 1), (2048, True, 1),
-                                    (4096, False, 2), (8192, False, 4), (16384, False, 4),
-                                    (32768, False, 8)]:
-        assert not kernels.rows_launch(x, 64 * sms, n).prefetch
-        launch = kernels.rows_launch(x, 64 * sms, n, prefetch_rows=entmax.PREFETCH_ROWS)
-        assert launch.prefetch == prefetch and launch.num_warps == want_warps, (n, launch)
-        if prefetch:
-            assert launch.programs * launch.num_warps == kernels.PREFETCH_WARPS_PER_SM * sms
+    for n, want_warps in [(512, 1), (1024, 1), (2048, 1), (4096, 2), (8192, 4), (16384, 4),
+                          (32768, 8)]:
+        launch = kernels.rows_launch(x, 64 * sms, n)
+        assert not launch.prefetch and launch.num_warps == want_warps, (n, launch)
+        walking = kernels.rows_launch(x, 64 * sms, n, programs_per_sm=2)
+        assert walking.prefetch and walking.programs == 2 * sms, (n, walking)
     # Sparsemax's forward holds 2-byte rows of 4096 entries over 4 warps; fp32 rows keep 2.
     for dtype, want_warps in [(torch.bfloat16, 4), (torch.float16, 4), (torch.float32, 2)]:
         launch = kernels.rows_launch(x.to(dtype), 64 * sms, 4096,
@@ -629,7 +628,7 @@ def test_launch_heuristic():
     for dtype, n, want_warps in [(torch.bfloat16, 16384, 8), (torch.float16, 12000, 8),
                                  (torch.float32, 16384, 4), (torch.bfloat16, 8192, 4),
                                  (torch.bfloat16, 32768, 8), (torch.bfloat16, 4096, 2)]:
-        launch = kernels.rows_launch(x.to(dtype), 64 * sms, n, prefetch_rows=entmax.PREFETCH_ROWS,
+        launch = kernels.rows_launch(x.to(dtype), 64 * sms, n,
                                      half_warps=entmax.HALF_ONE_ROW_WARPS)
         assert launch.num_warps == want_warps and launch.block_m == 1, (dtype, n, launch)
     # Its rows of 4096+ entries held one a program take the widest group whose chunks span the

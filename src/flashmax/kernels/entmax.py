@@ -39,11 +39,6 @@ from .sparsemax import (GRADIENT_ROW_STRIDES, MAX_DRIFT, ROW_THREAD_ENTRIES, SPL
                         _tile_threshold, _wide, kept_launch, launch_backward, launch_forward,
                         max_block_n, row_align, rows_launch)
 
-# Widths whose forward prefetches (`rows_launch`). Measured on an H200 (NOTES, v12, v30): 8-14%
-# faster at 1024 (one row a program over 8 programs a SM), up to 8% at 2048, but at 4096 and
-# 8192 one row a program without prefetching is 4-16% faster (with the group maxima's count,
-# which prefetching programs skip: `_entmax_tile_threshold`).
-PREFETCH_ROWS = (1024, 2048)
 # Rows of at least this many entries, by entry size, held one a program take sparsemax's
 # spanning groups (`rows_launch`'s wide_groups_from: 32 in fp32). H200 (NOTES, v62): fp32
 # 16384 uniform and randn x 0.01 rows 7-9% faster, randn 2-3% slower; 32768 2-4% faster on every
@@ -676,7 +671,7 @@ def entmax15_forward(x: torch.Tensor, dim: int, out=None, group=None, num_warps=
         share_steps=share_steps, max_registers=max_registers, prefilter_tile=prefilter_tile)
     return launch_forward(FORWARD_LAUNCHES, key, x, dim, out, chunk, split_rows, group=group,
                           num_warps=num_warps, block_m=block_m, programs_per_sm=programs_per_sm,
-                          prefetch_rows=PREFETCH_ROWS, row_threads=row_threads,
+                          row_threads=row_threads,
                           thread_entries=None, half_warps=HALF_ONE_ROW_WARPS,
                           wide_groups_from=WIDE_GROUPS_FROM_BY_SIZE.get(x.element_size()),
                           max_registers=max_registers, register_caps=ENTMAX_REGISTER_CAPS)

@@ -108,12 +108,6 @@ ADJACENT_MAX_VALUES = 64
 # adjacent against those tiles, × the 3-tensor floor: fp32 128 entries 1.37 / 1.22, 256 1.70 /
 # 1.51, 512 1.52 / 4.04, 1024 1.52 / 5.89; bf16 128 1.71 / 1.42, 256 1.44 / 3.30, 1024 2.04 / 9.57.
 ADJACENT_GRADIENT_ENTRIES = {2: 256, 4: 512, 8: 512}
-# A forward may instead walk several rows a program and load the next before searching this
-# one's threshold, for widths in its `prefetch_rows` (entmax-1.5's); at ~255 registers a thread,
-# PREFETCH_WARPS_PER_SM warps fill a multiprocessor's register file. Sparsemax no longer does:
-# since its steps got fewer (v28), one row a program with more programs a SM was 7-14% faster
-# from 4096 to 8192 entries in fp32, 0-7% in bf16 (NOTES, v30).
-PREFETCH_WARPS_PER_SM = 8
 # Rows longer than one program's registers are split over programs, one chunk each, that
 # communicate through a small scratch: per chunk PART_SIZE values, per row STATE_SIZE. Programs
 # are numbered row * n_splits + split. PART_SIZE is a power of two: its offsets are shifts.
@@ -1936,13 +1930,16 @@ class RowsLaunch(NamedTuple):
 
 
 def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None,
-                prefetch_rows=None, group=None, row_threads=None,
-                thread_entries=ROW_THREAD_ENTRIES, align=None, half_warps=None,
-                wide_groups_from=None) -> RowsLaunch:
+                group=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES, align=None,
+                half_warps=None, wide_groups_from=None) -> RowsLaunch:
     """The launch of a `_map_rows` kernel over rows of x.
-    programs_per_sm: None for the heuristic (one row a program, prefetching, for widths from
-    prefetch_rows[0] to prefetch_rows[1]; None: never), 0 for one program per block, else that
-    many programs per multiprocessor (one multiprocessor off CUDA) walking the blocks.
+    programs_per_sm: None or 0 for one program per block, else that many programs per
+    multiprocessor (one multiprocessor off CUDA) walking the blocks, each loading the next
+    before working on this one (`_map_rows`' PREFETCH). Neither forward walks by default: one
+    block a program with more programs a SM was faster, for sparsemax since its steps got fewer
+    (v28; NOTES v30: 7-14% in fp32 from 4096 to 8192 entries, 0-7% in bf16) and for
+    entmax-1.5 at 1024-2048 entries since (NOTES v89, H100: bf16 2-17% faster, fp32 2-14%
+    from 3072 rows; fp32 at 2048 rows randn 1-4% slower, uniform rows 2-4% faster).
     row_threads: threads a row is spread over, in chunks of one access, `align` entries (the
     rows' `row_align`; None: a 16-byte vector) (None: ROW_THREADS' for rows of up to 1 KB, at
     most thread_entries entries a thread where given, unless block_m or group is given; longer
@@ -1966,9 +1963,7 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
         programs = walking_programs(blocks, programs_per_sm, x.device)
         return RowsLaunch(programs, block_m, block_n, num_warps, programs < blocks,
                           block_n // width, width == chunk)
-    prefetching = (programs_per_sm is None and block_m is None and prefetch_rows is not None
-                   and prefetch_rows[0] <= block_n <= prefetch_rows[1])
-    if prefetching or (block_m is None and group is None):
+    if block_m is None and group is None:
         block_m = 1
     block_m, block_n, default_warps = launch_config(n_rows, n, num_warps, block_m)
     if num_warps is None:
@@ -1977,8 +1972,6 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
             num_warps = max(1, block_n // (32 * ONE_ROW_ENTRIES_PER_THREAD))
         if block_m == 1 and x.element_size() == 2 and half_warps:
             num_warps = half_warps.get(block_n, num_warps)
-    if programs_per_sm is None:
-        programs_per_sm = max(1, PREFETCH_WARPS_PER_SM // num_warps) if prefetching else 0
     blocks = -(-n_rows // block_m)
     programs = walking_programs(blocks, programs_per_sm, x.device)
     return RowsLaunch(programs, block_m, block_n, num_warps, programs < blocks,
@@ -2041,7 +2034,7 @@ def adjacent_rows_launch(x, n_rows: int, n: int, inner: int, strides,
 
 def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y_strides, wide,
                 group=None, num_warps=None, block_m=None, programs_per_sm=None,
-                prefetch_rows=None, row_threads=None, thread_entries=ROW_THREAD_ENTRIES,
+                row_threads=None, thread_entries=ROW_THREAD_ENTRIES,
                 adjacent_values=ADJACENT_THREAD_VALUES, half_warps=None,
                 wide_groups_from=None, max_registers=None, register_caps=None):
     """Launch a `_map_rows` kernel from x into y with `rows_launch`'s choices (or, for rows
@@ -2056,9 +2049,8 @@ def launch_rows(launches: LaunchCache, key, x, y, n_rows, n, inner, x_strides, y
         adjacent = adjacent_rows_launch(x, n_rows, n, inner, (x_strides, y_strides),
                                         adjacent_values)
     if adjacent is None:
-        launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, prefetch_rows,
-                             group, row_threads, thread_entries, align, half_warps,
-                             wide_groups_from)
+        launch = rows_launch(x, n_rows, n, num_warps, block_m, programs_per_sm, group,
+                             row_threads, thread_entries, align, half_warps, wide_groups_from)
         if max_registers is None and register_caps:
             cap, from_programs = register_caps.get((x.element_size(), launch.block_n), (None, 0))
             if launch.programs >= from_programs * _multiprocessors(x.device):
