@@ -1938,8 +1938,8 @@ def rows_launch(x, n_rows, n, num_warps=None, block_m=None, programs_per_sm=None
     before working on this one (`_map_rows`' PREFETCH). Neither forward walks by default: one
     block a program with more programs a SM was faster, for sparsemax since its steps got fewer
     (v28; NOTES v30: 7-14% in fp32 from 4096 to 8192 entries, 0-7% in bf16) and for
-    entmax-1.5 at 1024-2048 entries since (NOTES v89, H100: bf16 2-17% faster, fp32 2-14%
-    from 3072 rows; fp32 at 2048 rows randn 1-4% slower, uniform rows 2-4% faster).
+    entmax-1.5 at 1024-2048 entries since (NOTES v89, H100: bf16 1-17% faster, fp32 3-14%
+    from 4096 rows; fp32 at 2048-3072 rows randn up to 7% slower, uniform rows 1-5% faster).
     row_threads: threads a row is spread over, in chunks of one access, `align` entries (the
     rows' `row_align`; None: a 16-byte vector) (None: ROW_THREADS' for rows of up to 1 KB, at
     most thread_entries entries a thread where given, unless block_m or group is given; longer
