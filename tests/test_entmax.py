@@ -354,11 +354,15 @@ def test_kernel_launch_groups(kernels, record_launches):
         assert launched[-1]["GROUP"] == want_group, (dtype, n, launched[-1])
 
 
-def test_kernel_launch_holds_one_row_a_program(kernels, record_launches):
+def test_kernel_launch_holds_one_row_a_program(kernels, monkeypatch, record_launches):
     # Rows of 1024 and 2048 entries, as every width held in registers: one row a program, none
-    # walking several rows and prefetching the next (that needs programs_per_sm; NOTES v89).
-    # Nothing runs: the launch is recorded.
+    # walking several rows and prefetching the next (that needs programs_per_sm, and more rows
+    # than programs: of one multiprocessor here, as off CUDA; NOTES v89). Nothing runs: the
+    # launch is recorded.
+    from flashmax.kernels import sparsemax as rows
+
     launched = record_launches(kernels.FORWARD_LAUNCHES)
+    monkeypatch.setattr(rows, "_multiprocessors", lambda device: 1)
     for dtype in (torch.float32, torch.bfloat16):
         for n in (1024, 2048):
             x = torch.randn(64, n, dtype=dtype, device=DEVICE)
