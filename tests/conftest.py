@@ -33,3 +33,13 @@ def record_launches(monkeypatch):
                             lambda key, grid, tensors, scalars, options: launched.append(options))
         return launched
     return record
+
+
+@pytest.fixture
+def one_multiprocessor(monkeypatch):
+    """Launches sized for one multiprocessor, as off CUDA, on any device: what depends on
+    programs a SM (walking rows, register caps from a count of programs) then depends on the
+    rows alone."""
+    from flashmax.kernels import sparsemax
+
+    monkeypatch.setattr(sparsemax, "_multiprocessors", lambda device: 1)

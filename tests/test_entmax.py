@@ -354,15 +354,12 @@ def test_kernel_launch_groups(kernels, record_launches):
         assert launched[-1]["GROUP"] == want_group, (dtype, n, launched[-1])
 
 
-def test_kernel_launch_holds_one_row_a_program(kernels, monkeypatch, record_launches):
+def test_kernel_launch_holds_one_row_a_program(kernels, one_multiprocessor, record_launches):
     # Rows of 1024 and 2048 entries, as every width held in registers: one row a program, none
     # walking several rows and prefetching the next (that needs programs_per_sm, and more rows
-    # than programs: of one multiprocessor here, as off CUDA; NOTES v89). Nothing runs: the
-    # launch is recorded.
-    from flashmax.kernels import sparsemax as rows
-
+    # than programs: of one multiprocessor here; NOTES v89). Nothing runs: the launch is
+    # recorded.
     launched = record_launches(kernels.FORWARD_LAUNCHES)
-    monkeypatch.setattr(rows, "_multiprocessors", lambda device: 1)
     for dtype in (torch.float32, torch.bfloat16):
         for n in (1024, 2048):
             x = torch.randn(64, n, dtype=dtype, device=DEVICE)
@@ -372,15 +369,12 @@ def test_kernel_launch_holds_one_row_a_program(kernels, monkeypatch, record_laun
             assert launched[-1]["PREFETCH"], (dtype, n)
 
 
-def test_kernel_register_caps_reach_the_launch(kernels, monkeypatch, record_launches):
+def test_kernel_register_caps_reach_the_launch(kernels, one_multiprocessor, record_launches):
     """ENTMAX_REGISTER_CAPS go to Triton as maxnreg (NOTES v82, v83): rows of 4096-8192
     entries (block) at 168 in both dtypes; bf16 rows of 16, 64 and 256 entries at 80 from 64
     programs a SM (of one multiprocessor here); max_registers=0 uncaps. Nothing runs: the
     launch is recorded."""
-    from flashmax.kernels import sparsemax as rows
-
     launched = record_launches(kernels.FORWARD_LAUNCHES)
-    monkeypatch.setattr(rows, "_multiprocessors", lambda device: 1)
     for dtype, n_rows, n, cap, want in [(torch.float32, 2, 4096, None, 168),
                                         (torch.bfloat16, 2, 6000, None, 168),
                                         (torch.float32, 2, 4096, 0, None),
